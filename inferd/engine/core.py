@@ -1,0 +1,337 @@
+"""EngineCore: the synchronous step loop. schedule → forward → sample → detokenize/stop.
+
+It knows nothing about HTTP or asyncio; `LLM` drives it for offline batches and `AsyncEngine`
+runs it in a thread for servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from inferd.config import EngineConfig, resolve_device, resolve_dtype
+from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.model_runner import ModelRunner
+from inferd.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
+from inferd.engine.stats import EngineStats, StatsLogger
+from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.loader import LoadedModel, load_model
+from inferd.models import build_model
+from inferd.sampling.params import SamplingParams
+from inferd.sampling.sampler import Sampler
+from inferd.scheduler.scheduler import Scheduler
+from inferd.scheduler.sequence import Logprob, Sequence
+
+logger = logging.getLogger("inferd.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, bad parameters); other requests are unaffected."""
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)  # by output index
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by seq_id
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+def _kv_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    cache = config.cache
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - cache.gpu_memory_utilization))
+    else:
+        # The machine's available memory is shared with everything else: take a fraction, capped.
+        available = psutil.virtual_memory().available
+        budget = min(int(available * cache.gpu_memory_utilization * 0.5), cache.max_auto_kv_cache_memory)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes is smaller than one block ({bytes_per_block} bytes)"
+        )
+    return num_blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, verbose: bool = True) -> None:
+        self.config = config
+        loaded = loaded or load_model(config.model, verbose=verbose)
+        self.model_config = mcfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.source = loaded.source
+        self.file_type = loaded.file_type
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+
+        block_size = config.cache.block_size
+        bytes_per_block = mcfg.kv_bytes_per_token(self.dtype) * block_size
+        num_blocks = _kv_num_blocks(config, bytes_per_block, self.device)
+        capacity = num_blocks * block_size
+        wanted = config.scheduler.max_model_len
+        if wanted is not None and wanted > capacity:
+            raise ValueError(
+                f"--max-model-len {wanted} needs more KV cache than the pool holds ({capacity} "
+                "tokens); raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
+                            dtype=self.dtype, device=self.device)  # fmt: skip
+        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device)
+        self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, _RequestState] = {}
+        self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.stats_logger = StatsLogger(config.log_stats_interval)
+        if verbose:
+            logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s)", num_blocks, capacity,
+                        num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."))  # fmt: skip
+
+    # ---- requests -------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys((*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids)))
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request; raises RequestError naming the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise RequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range (vocab size {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt is {len(token_ids)} tokens, {len(token_ids) - self.max_model_len + 1} "
+                f"over the limit: max_model_len is {self.max_model_len} and at least one token "
+                "must be generated"
+            )
+        try:
+            params.check_vocab(vocab)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.validate(prompt, params)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seq = Sequence(
+            request_id=request_id,
+            index=0,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+            params=params,
+            priority=priority,
+            arrival_time=now,
+            generator=self._generator(params, 0),
+            pending_forks=params.n - 1,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
+                              params, RequestMetrics(arrival_time=now))  # fmt: skip
+        state.seqs.append(seq)
+        state.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.requests[request_id] = state
+        self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed + index)
+        return gen
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks return to the pool now. False if unknown."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self._refresh_stats()
+            return []
+        logits, batch = self.runner.execute(out)
+        for seq, n in out.scheduled:
+            # Prefill work (prompt, or recomputation after preemption) vs. a plain decode step.
+            is_prefill = n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+            self.stats.prompt_tokens_total += n if is_prefill else 0
+            seq.num_computed_tokens += n
+
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(batch.sample_seqs):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.pending_forks:
+                for child in self._fork(seq):
+                    rows.append(row)
+                    seqs.append(child)
+        result = self.sampler(logits, rows, seqs)
+
+        now = time.monotonic()
+        deltas: list[SequenceDelta] = []
+        for i, seq in enumerate(seqs):
+            deltas.append(self._append_token(seq, result.token_ids[i], result.logprobs[i], now))
+        self.stats.generation_tokens_total += len(seqs)
+        self._refresh_stats()
+        self.stats_logger.maybe_log(self.stats)
+        return deltas
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: children share the parent's prompt blocks and sample their own first token."""
+        state = self.requests[parent.request_id]
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = parent.fork(index, self._generator(parent.params, index))
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            state.seqs.append(child)
+            state.detoks[child.seq_id] = IncrementalDetokenizer(self.tokenizer, parent.params)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: tuple[float, int, list[tuple[int, float]]] | None,
+        now: float,
+    ) -> SequenceDelta:
+        state = self.requests[seq.request_id]
+        p = seq.params
+        seq.token_ids.append(token)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        new_logprobs: list[dict[int, Logprob]] = []
+        if logprob is not None and seq.logprobs is not None:
+            entry = self._logprob_entry(token, *logprob)
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += logprob[0]
+            new_logprobs.append(entry)
+
+        detok = state.detoks[seq.seq_id]
+        stop_str = detok.add_token(token)
+        can_stop = seq.num_output_tokens >= p.min_tokens
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif can_stop and p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif can_stop and stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.stats.requests_finished_total += state.finished
+            if state.finished:
+                state.metrics.finished_time = now
+        return SequenceDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=[token],
+            text_delta=detok.delta(seq.finish_reason is not None),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            new_logprobs=new_logprobs,
+        )
+
+    def _logprob_entry(self, token: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entry = {tid: Logprob(val, r + 1, decode([tid], skip_special_tokens=False))
+                 for r, (tid, val) in enumerate(top)}  # fmt: skip
+        if token not in entry:
+            entry = {token: Logprob(lp, rank, decode([token], skip_special_tokens=False)), **entry}
+        return entry
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_preemptions_total = self.scheduler.num_preemptions
+        s.num_free_blocks = self.kv.pool.num_free
+        s.kv_cache_usage = self.kv.pool.usage()
+
+    def get_stats(self) -> EngineStats:
+        self._refresh_stats()
+        self.stats_logger.update_rates(self.stats, force=False)
+        return self.stats
+
+    # ---- results --------------------------------------------------------------------------
+    def request_output(self, request_id: str) -> RequestOutput:
+        state = self.requests[request_id]
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=state.detoks[seq.seq_id].text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(state.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outputs,
+                             state.finished, state.metrics)  # fmt: skip
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request; forgets the request."""
+        output = self.request_output(request_id)
+        del self.requests[request_id]
+        return output
+
+    def check_no_leaks(self) -> None:
+        """With no request in flight every block must be free (the invariant tests pin)."""
+        self.kv.check_integrity()
+        assert not self.scheduler.running and not self.scheduler.waiting
+        assert self.kv.pool.num_free == self.kv.pool.num_blocks, (
+            f"{self.kv.pool.num_blocks - self.kv.pool.num_free} KV blocks leaked"
+        )

@@ -1,0 +1,163 @@
+"""`LLM`: the offline batch API, shaped like vLLM's (`generate`, `chat`) so scripts port unchanged."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from inferd.config import CacheConfig, EngineConfig, SchedulerConfig
+from inferd.engine.core import EngineCore, RequestError
+from inferd.engine.outputs import RequestOutput
+from inferd.loader import Tokenizer
+from inferd.sampling.params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def _normalize_prompts(prompts: PromptType | Seq[PromptType]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]  # one prompt given as token ids
+    out: list[str | list[int]] = []
+    for p in prompts:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                out.append(list(p["prompt_token_ids"]))
+            elif "prompt" in p:
+                out.append(p["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            out.append(p)
+    return out
+
+
+class LLM:
+    """Offline inference: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments follow vLLM's engine arguments (block_size, max_num_seqs,
+    max_num_batched_tokens, max_model_len, kv_cache_memory, dtype, device, seed, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        chat_template: str | None = None,
+        log_stats_interval: float = 0.0,
+        verbose: bool = True,
+        loaded: Any = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),  # fmt: skip
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),  # fmt: skip
+            log_stats_interval=log_stats_interval,
+        )
+        self.engine = EngineCore(config, loaded=loaded, verbose=verbose)
+        if chat_template is not None:
+            self.engine.tokenizer.set_chat_template(chat_template)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in order. Invalid prompts raise before anything runs."""
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
+            try:
+                self.engine.validate(p, sp)
+            except RequestError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
+        for rid, p, sp, prio in zip(ids, prompt_list, params_list, priorities):
+            self.engine.add_request(rid, p, sp, priority=prio)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    state = self.engine.requests.get(delta.request_id)
+                    if delta.finished and state is not None and state.finished:
+                        done[delta.request_id] = self.engine.pop_finished(delta.request_id)
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:  # KeyboardInterrupt or an error: leave no request holding blocks
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if chat_template is not None:
+            tok = _with_template(tok, chat_template)
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # The template already wrote any BOS it wants: do not add another.
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_stats(self) -> None:
+        self.engine.stats_logger.update_rates(self.engine.stats, force=True)
+
+
+def _with_template(tok: Tokenizer, template: str) -> Tokenizer:
+    clone = Tokenizer(tok.hf, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids,
+                      add_bos_token=tok.add_bos_token, chat_template=template)  # fmt: skip
+    return clone

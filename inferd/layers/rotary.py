@@ -1,0 +1,61 @@
+"""Rotary position embedding (HF half-split layout) with linear and llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    freq_factors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:  # GGUF's rope_freqs tensor: llama3 scaling precomputed
+        return inv_freq / freq_factors.to(torch.float64)
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position; `forward` rotates q and k in place."""
+
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : self.half].float(), x[..., self.half :].float()
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)

@@ -1,0 +1,60 @@
+"""Model loading: GGUF files and HF directories → config, weights, tokenizer."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from inferd.loader import conversion_cache
+from inferd.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from inferd.loader.gguf_loader import load_gguf
+from inferd.loader.hf_loader import load_hf_dir
+from inferd.loader.tokenizer import ChatTemplateError, Tokenizer
+from inferd.loader.weights import LoadedModel, ModelLoadError
+
+__all__ = [
+    "ChatTemplateError",
+    "LoadedModel",
+    "ModelLoadError",
+    "Tokenizer",
+    "load_model",
+    "resolve_model_path",
+    "DEFAULT_MODEL_NAME",
+]
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    if model is None or str(model) == "":
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    return path
+
+
+def load_model(
+    model: str | os.PathLike[str] | None, *, use_cache: bool = True, verbose: bool = True
+) -> LoadedModel:
+    """Load a GGUF file or HF directory (None: the default model), printing the load time."""
+    path = resolve_model_path(model)
+    start = time.perf_counter()
+    if path.is_dir():
+        loaded = load_hf_dir(path, show_progress=verbose)
+    elif path.is_file():
+        loaded = conversion_cache.load_cached(path) if use_cache else None
+        if loaded is None:
+            loaded = load_gguf(path, show_progress=verbose)
+            if use_cache:
+                conversion_cache.store(path, loaded)
+    else:
+        raise ModelLoadError(f"{path}: neither a GGUF file nor a model directory")
+    if verbose:
+        print(
+            f"inferd: loaded {path.name} ({loaded.file_type}) in "
+            f"{time.perf_counter() - start:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return loaded

@@ -1,0 +1,81 @@
+"""A cache of converted GGUF models (fp32 safetensors + metadata) so later starts skip dequantizing.
+
+The `gguf` package parses metadata and dequantizes in numpy, ~5–8 s for the default model; reading
+back the converted tensors takes a fraction of a second, which is what keeps startup under 5 s.
+The key covers the file's path, size and mtime, so an edited or replaced file is converted anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from inferd.config import ModelConfig
+from inferd.loader.default_model import cache_dir
+from inferd.loader.tokenizer import Tokenizer
+from inferd.loader.weights import LoadedModel
+
+_FORMAT_VERSION = 1
+
+
+def _entry(path: Path) -> Path:
+    st = path.stat()
+    key = f"{_FORMAT_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return cache_dir() / "converted" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def load_cached(path: Path) -> LoadedModel | None:
+    entry = _entry(path)
+    meta_path = entry / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        cfg = meta["config"]
+        cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        config = ModelConfig(**cfg)
+        tok = meta["tokenizer"]
+        tokenizer = Tokenizer(
+            HFTokenizer.from_str(tok["json"]),
+            bos_token_id=tok["bos_token_id"],
+            eos_token_ids=tok["eos_token_ids"],
+            add_bos_token=tok["add_bos_token"],
+            chat_template=tok["chat_template"],
+        )
+        weights = load_file(str(entry / "weights.safetensors"))
+    except Exception:
+        shutil.rmtree(entry, ignore_errors=True)  # a damaged entry is rebuilt, never trusted
+        return None
+    return LoadedModel(config, weights, tokenizer, str(path), meta["file_type"])
+
+
+def store(path: Path, model: LoadedModel) -> None:
+    entry = _entry(path)
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.weights.items()}, str(tmp / "weights.safetensors"))
+        tk = model.tokenizer
+        meta = {
+            "config": dataclasses.asdict(model.config),
+            "file_type": model.file_type,
+            "tokenizer": {
+                "json": tk.hf.to_str(),
+                "bos_token_id": tk.bos_token_id,
+                "eos_token_ids": list(tk.eos_token_ids),
+                "add_bos_token": tk.add_bos_token,
+                "chat_template": tk.chat_template,
+            },
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        shutil.rmtree(entry, ignore_errors=True)
+        tmp.rename(entry)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a read-only or full cache only costs speed

@@ -1,0 +1,199 @@
+"""GGUF → `LoadedModel` through the `gguf` package: metadata, dequantized tensors, tokenizer."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from inferd.config import ModelConfig
+from inferd.loader.gguf_tokenizer import UnsupportedTokenizerError, build_gguf_tokenizer
+from inferd.loader.tokenizer import Tokenizer
+from inferd.loader.weights import LoadedModel, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+# GGUF tensor names → HF names; "{i}" is the layer index.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freq_factors",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (pairs interleaved) back to HF's half-split layout."""
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF layout → llama.cpp's layout (what `convert_hf_to_gguf.py` writes); inverse of the above."""
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    n_embd = get("embedding_length")
+    n_head = get("attention.head_count")
+    if n_embd is None or n_head is None or get("block_count") is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.embedding_length/head_count/block_count")
+    n_head_kv = get("attention.head_count_kv", n_head)
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or n_embd // n_head
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(get("vocab_size") or n_vocab),
+        hidden_size=int(n_embd),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=int(n_head),
+        num_kv_heads=int(n_head_kv),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=True,  # corrected below if an output.weight tensor exists
+        attention_bias=arch == "qwen2",
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=str(_field(reader, "general.name", "") or ""),
+    )
+
+
+def _tokenizer(reader: Any, config: ModelConfig) -> Tokenizer:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; cannot build a tokenizer")
+    try:
+        hf = build_gguf_tokenizer(
+            model=_field(reader, "tokenizer.ggml.model", "gpt2"),
+            pre=_field(reader, "tokenizer.ggml.pre", "default"),
+            tokens=tokens,
+            merges=_field(reader, "tokenizer.ggml.merges", []),
+            token_types=_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
+        )
+    except UnsupportedTokenizerError as e:
+        raise ModelLoadError(str(e)) from e
+    return Tokenizer(
+        hf,
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=config.eos_token_ids,
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = np.array(tensor.data, dtype=np.float32)  # a copy: the mmap is read-only
+    else:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    # ggml lists dims fastest-first; numpy wants them slowest-first.
+    return data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors
+        raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r}; inferd supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    config = _model_config(reader, arch, len(tokens))
+    weights: dict[str, torch.Tensor] = {}
+    types: Counter[str] = Counter()
+    bar = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress,
+               leave=False)  # fmt: skip
+    for t in bar:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        types[t.tensor_type.name] += 1
+        try:
+            arr = _dequantize(t)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {e}") from e
+        if arch != "qwen2":
+            # convert_hf_to_gguf permutes q/k rows of Llama models for llama.cpp's rope.
+            if name.endswith("q_proj.weight"):
+                arr = unpermute_rope(arr, config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                arr = unpermute_rope(arr, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    if "lm_head.weight" in weights:
+        from dataclasses import replace
+
+        config = replace(config, tie_word_embeddings=False)
+    main_type = ", ".join(f"{k}×{v}" for k, v in types.most_common())
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=_tokenizer(reader, config),
+        source=str(path),
+        file_type=f"GGUF ({main_type})",
+    )

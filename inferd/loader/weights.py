@@ -1,0 +1,23 @@
+"""What a loader produces: config, weights in HF naming (fp32 on CPU), tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.config import ModelConfig
+from inferd.loader.tokenizer import Tokenizer
+
+
+class ModelLoadError(ValueError):
+    """The model path exists but cannot be loaded: corrupt file, unsupported architecture…"""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names: model.layers.0.self_attn.q_proj.weight, ...
+    tokenizer: Tokenizer
+    source: str  # the path it came from
+    file_type: str  # e.g. "GGUF Q4_1", "safetensors bfloat16"

@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a ragged batch with paged KV."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferd.config import ModelConfig
+from inferd.layers.attention import AttentionMetadata, paged_attention
+from inferd.layers.linear import Embedding, Linear
+from inferd.layers.norm import RMSNorm
+from inferd.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        # q, k and v in one matmul: one pass over the input instead of three.
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)  # fmt: skip
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, rotary, positions, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Set by `set_rotary` once the weights (and GGUF's rope_freqs, if any) are known.
+        self.rotary: RotaryEmbedding | None = None
+        self.requires_grad_(False)
+
+    def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
+                   device: torch.device) -> None:  # fmt: skip
+        """fp32 cos/sin tables whatever the weight dtype, for positions [0, max_positions)."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq).to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, self.rotary, positions, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32 for the rows that sample: [B, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them."""
+        own = dict(self.named_parameters(remove_duplicate=False))
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name} missing from the checkpoint")
+            used.add(name)
+            return weights[name]
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = own[name]
+            if param.shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} "
+                                 f"!= model shape {tuple(param.shape)}")  # fmt: skip
+            param.data.copy_(value)
+
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # to_empty() may have split the tie
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(self.config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
+            attn = f"{src}self_attn."
+            qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv))
+            if self.config.attention_bias:
+                bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+            mlp = f"{src}mlp."
+            gate_up = [take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]
+            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up))
+            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
+        ignored = {"rope_freq_factors"} | {k for k in weights if k.endswith("rotary_emb.inv_freq")}
+        unknown = set(weights) - used - ignored
+        if self.config.tie_word_embeddings:
+            unknown.discard("lm_head.weight")
+        if unknown:
+            raise ValueError(f"checkpoint has weights this model does not use: {sorted(unknown)[:5]}")

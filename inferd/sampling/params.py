@@ -1,0 +1,103 @@
+"""Sampling parameters, shaped and named like vLLM's so scripts port unchanged; validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+    # Filled by validation: the normalized stop strings.
+    stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        self.stop_strings = self._normalize_stop(self.stop)
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+                bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    bad(f"logit_bias token id must be >= 0, got {tok}")
+                if not -100.0 <= bias <= 100.0:
+                    bad(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+
+    @staticmethod
+    def _normalize_stop(stop: object) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stops = list(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return tuple(stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary."""
+        for tok in (self.logit_bias or {}):
+            if tok >= vocab_size:
+                raise ValueError(f"logit_bias token id {tok} is out of range (vocab size {vocab_size})")
+        for tok in self.stop_token_ids or ():
+            if tok >= vocab_size:
+                raise ValueError(f"stop_token_ids entry {tok} is out of range (vocab size {vocab_size})")

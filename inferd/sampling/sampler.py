@@ -1,0 +1,100 @@
+"""Logits → next tokens for a batch of sequences: processors, greedy or random sampling, logprobs.
+
+Rows may repeat (a request with n > 1 samples n children from one prompt's logits). Randomness is
+per sequence: a seeded sequence draws from its own generator, so its output does not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.scheduler.sequence import Sequence
+from inferd.sampling.processors import apply_processors
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    # Per sequence: (sampled token logprob, rank, [(token, logprob)] top-k) or None if not asked.
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus top-p; top_k 0 = off."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    remove = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # Drop a token when the mass before it already reaches top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
+        """logits: [R, V] fp32; seqs[i] samples from logits[rows[i]]."""
+        if logits.shape[-1] > self.vocab_size:  # padded vocab rows never get sampled
+            logits = logits[:, : self.vocab_size]
+        if rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+
+        logits = apply_processors(logits, seqs, self.eos_token_ids)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            tokens[random_rows] = self._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
+        token_list = tokens.tolist()
+
+        logprob_out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if not want_logprobs[i]:
+                    continue
+                row = raw_logprobs[i]
+                tok = token_list[i]
+                lp = row[tok].item()
+                rank = int((row > lp).sum().item()) + 1
+                top: list[tuple[int, float]] = []
+                if seq.params.logprobs:
+                    vals, idx = row.topk(seq.params.logprobs)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                logprob_out[i] = (lp, rank, top)
+        return SampleResult(token_list, logprob_out)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([s.params.temperature for s in seqs], device=dev, dtype=logits.dtype)
+        logits = logits / temps.unsqueeze(1)
+        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=logits.dtype)
+        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Exponential-race sampling: argmax(p / E), E ~ Exp(1), picks token i with probability
+        # p_i. Each seeded row draws E from its own generator: reproducible whatever the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(dim=-1)

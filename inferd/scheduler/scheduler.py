@@ -1,0 +1,124 @@
+"""Continuous batching under a token budget: which sequences run this step and with how many tokens.
+
+Each step: running decodes first (one token each, so a long prompt never starves them), then
+running partial prefills, then waiting sequences by (priority, arrival). A prefill takes at most
+what is left of the budget (chunked prefill). When the KV pool is full the lowest-priority running
+sequence is preempted: its blocks are freed and it is recomputed later (prompt + what it generated),
+which yields the same output as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from inferd.config import SchedulerConfig
+from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # (sequence, number of new tokens it computes this step), in batch order.
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running set directly: its prompt is already in the cache."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq.seq_id)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if self.config.long_prefill_token_threshold is not None:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # Decodes before partial prefills; within each, priority then arrival.
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key))
+        scheduled_ids: set[int] = set()
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
+                victim = self._pick_victim(seq, scheduled_ids)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                scheduled_ids.add(seq.seq_id)
+                budget -= n
+
+        # Admit waiting sequences, unless this step already had to preempt (the pool is full).
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
+                self.kv.free(seq.seq_id)  # drop an empty table the failed attempt may have made
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
+        """The lowest-priority, latest running sequence not already scheduled; else `seq` itself."""
+        candidates = [s for s in self.running if s is not seq and s.seq_id not in scheduled_ids]
+        if not candidates:
+            return seq
+        return max(candidates, key=lambda s: s.sort_key)

@@ -1,0 +1,90 @@
+"""A sequence: the unit the scheduler runs. A request with n > 1 becomes n sequences after its
+prompt is computed once (the children share the prompt's KV blocks)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from inferd.sampling.params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n outputs this is
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are in the cache: positions [0, num_computed_tokens).
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    pending_forks: int = 0  # n - 1 until the prompt's first token is sampled, then 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower runs first: priority, then arrival (FCFS), then creation order."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        return Sequence(
+            request_id=self.request_id,
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            generator=generator,
+            logprobs=[] if self.logprobs is not None else None,
+        )
