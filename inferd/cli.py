@@ -1,0 +1,229 @@
+"""The `inferd` command: generate, chat, info, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from inferd.engine_args import add_engine_args, engine_config_from_args
+
+
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=temperature)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from inferd.sampling.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed, stop=args.stop,
+    )  # fmt: skip
+
+
+def _build_engine(args: argparse.Namespace):
+    from inferd.engine.core import EngineCore
+
+    engine = EngineCore(engine_config_from_args(args))
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            engine.tokenizer.set_chat_template(f.read())
+    return engine
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> tuple[int, float | None, float]:
+    """Run one request to completion, printing text as it arrives. Returns (tokens, ttft, secs)."""
+    rid = f"cli-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    first: float | None = None
+    n = 0
+    try:
+        while True:
+            deltas = engine.step()
+            for d in deltas:
+                if d.request_id != rid:
+                    continue
+                if first is None:
+                    first = time.perf_counter() - start
+                n += len(d.new_token_ids)
+                out.write(d.text_delta)
+                out.flush()
+            if rid not in engine.requests or engine.requests[rid].finished:
+                break
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        raise
+    if rid in engine.requests:
+        engine.pop_finished(rid)
+    return n, first, time.perf_counter() - start
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _build_engine(args)
+    params = _sampling_params(args)
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        sys.stdout.write(prompt)
+    n, ttft, secs = _stream(engine, prompt, params)
+    sys.stdout.write("\n")
+    if ttft is not None:
+        decode = (n - 1) / (secs - ttft) if n > 1 and secs > ttft else 0.0
+        print(f"[{n} tokens; time to first token {ttft * 1000:.0f} ms; decode {decode:.1f} tokens/s; "
+              f"since process start {time.time() - _PROCESS_START:.2f} s to finish]",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _build_engine(args)
+    params = _sampling_params(args)
+    tok = engine.tokenizer
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("inferd chat — /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(history), add_special_tokens=False)
+        if len(ids) >= engine.max_model_len:
+            print(f"[conversation is {len(ids)} tokens, over the {engine.max_model_len}-token "
+                  "context; /reset to start again]", file=sys.stderr)  # fmt: skip
+            history.pop()
+            continue
+        reply = []
+
+        class _Tee:
+            def write(self, s: str) -> None:
+                reply.append(s)
+                sys.stdout.write(s)
+
+            def flush(self) -> None:
+                sys.stdout.flush()
+
+        try:
+            _stream(engine, ids, params, out=_Tee())
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from inferd.config import resolve_device, resolve_dtype
+    from inferd.loader import load_model
+
+    loaded = load_model(args.model)
+    cfg = loaded.config
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    rows = [
+        ("model", loaded.source),
+        ("name", cfg.name or "-"),
+        ("architecture", cfg.architecture),
+        ("weights", loaded.file_type),
+        ("parameters", f"{cfg.num_parameters():,} ({cfg.num_parameters() / 1e6:.1f} M)"),
+        ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
+        ("heads (q / kv) × dim", f"{cfg.num_heads} / {cfg.num_kv_heads} × {cfg.head_dim}"),
+        ("vocab", str(cfg.vocab_size)),
+        ("context length", str(cfg.max_position_embeddings)),
+        ("rope theta / scaling", f"{cfg.rope_theta:g} / {cfg.rope_scaling or 'none'}"),
+        ("tied embeddings", str(cfg.tie_word_embeddings)),
+        ("compute dtype", f"{str(dtype).removeprefix('torch.')} on {device}"),
+        ("KV bytes per token", f"{cfg.kv_bytes_per_token(dtype):,} ({str(dtype).removeprefix('torch.')})"),
+        ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
+        ("torch", torch.__version__),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inferd", description="LLM inference and serving engine")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or none: stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(p)
+    _sampling_args(p, temperature=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(p)
+    _sampling_args(p, temperature=0.7)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="architecture, parameters, dtype, context, KV bytes per token")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_info)
+
+    try:  # the server and bench live in their own packages
+        from inferd.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    try:
+        from inferd.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+_PROCESS_START = time.time()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)  # fmt: skip
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"inferd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
