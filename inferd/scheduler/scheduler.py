@@ -85,6 +85,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(seq, budget)
+            if n == 0:
+                continue  # nothing new to compute (its next token is not sampled yet)
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
                 victim = self._pick_victim(seq, scheduled_ids)
                 self._preempt(victim)

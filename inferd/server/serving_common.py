@@ -1,0 +1,254 @@
+"""What the completions and chat endpoints share: the server state, request checks, sampling
+parameters, request logging, SSE framing and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from inferd.engine.async_engine import AsyncEngine, RequestStream, RequestUpdate
+from inferd.loader.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.server.errors import APIError, to_api_error
+from inferd.server.metrics import ServerMetrics
+from inferd.server.protocol import _SamplingFields
+
+logger = logging.getLogger("inferd.server")
+
+T = TypeVar("T")
+
+MAX_N = 128  # OpenAI's own limit on `n`; also bounds the sequences one request may fork
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    served_model_names: list[str]
+    metrics: ServerMetrics
+    max_log_len: int | None = None
+    log_requests: bool = True
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return model or self.model_name
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.served_model_names)}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or 503 while the model loads (or after it failed)."""
+        if not self.engine.ready:
+            if self.engine.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.engine.load_error}",
+                               code="engine_dead")  # fmt: skip
+            raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
+        return self.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        engine = self.ready_engine().engine
+        assert engine is not None
+        return engine.tokenizer  # read-only use from the loop: encode/decode/render are pure
+
+    @property
+    def max_model_len(self) -> int:
+        engine = self.ready_engine().engine
+        assert engine is not None
+        return engine.max_model_len
+
+    def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if not self.log_requests:
+            return
+        shown: str | list[int] = prompt
+        if self.max_log_len is not None:
+            shown = prompt[: self.max_log_len]
+        logger.info("received request %s: prompt: %r, params: %s", request_id, shown, params)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The max_tokens to run with; a 400 naming how many tokens over the context it would go."""
+    if num_prompt_tokens >= max_model_len:
+        over = num_prompt_tokens - max_model_len + 1
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, your prompt is {num_prompt_tokens} tokens, {over} tokens over "
+                       "the limit (at least one token must be generated). Please reduce the "
+                       "length of the prompt.", param="prompt", code="context_length_exceeded")  # fmt: skip
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        total = num_prompt_tokens + max_tokens
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {total} tokens ({num_prompt_tokens} in the prompt, "
+                       f"{max_tokens} in the completion), {total - max_model_len} tokens over the "
+                       "limit. Please reduce the length of the prompt or the completion.",
+                       param="max_tokens", code="context_length_exceeded")  # fmt: skip
+    return max_tokens
+
+
+def sampling_params(
+    req: _SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    aliases: dict[str, str] | None = None,
+) -> SamplingParams:
+    """SamplingParams from the request; its own range checks become 400s naming the field."""
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                           param="logit_bias") from None  # fmt: skip
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise to_api_error(e, param_aliases=aliases) from e
+
+
+async def add_requests(
+    state: ServerState,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int,
+) -> list[RequestStream]:
+    """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted)."""
+    engine = state.ready_engine()
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            state.log_request(rid, ids, params)
+            streams.append(await engine.add_request(rid, ids, params, priority))
+    except BaseException as e:
+        for stream in streams:
+            stream.close()
+        if isinstance(e, Exception):
+            raise to_api_error(e, user_input=False) from e
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
+    """Updates of several streams as they come, tagged with the stream's position.
+
+    Closing the iterator (client gone) closes every stream, which aborts the unfinished requests.
+    """
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for update in streams[0]:
+                yield 0, update
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for update in stream:
+                queue.put_nowait((i, update))
+        except Exception as e:
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client hangs up first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    return task.result()
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stream_with_errors(
+    body: Callable[[], AsyncIterator[str]],
+) -> AsyncIterator[str]:
+    """Wrap an SSE body so a failure mid-stream becomes an error event the client can read."""
+
+    async def run() -> AsyncIterator[str]:
+        from inferd.server.errors import sse_error
+
+        try:
+            async for event in body():
+                yield event
+        except Exception as e:  # headers are sent: the status can no longer change
+            yield sse_error(to_api_error(e, user_input=False))
+        yield SSE_DONE
+
+    return run()

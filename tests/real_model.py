@@ -1,0 +1,56 @@
+"""The default model (SmolLM2-135M-Instruct GGUF from PyPI) and its HF transformers reference.
+
+Loaded once per test session: the engine's loader result is shared by every `LLM` built here, and
+HF transformers (the parity reference, ~25 s to load a GGUF) is loaded at most once.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from inferd import LLM
+from inferd.loader import load_model
+from inferd.loader.default_model import default_model_path
+
+
+@functools.cache
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@functools.cache
+def loaded_default():
+    return load_model(default_gguf(), verbose=False)
+
+
+def make_llm(**kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory", 64 << 20)
+    return LLM(loaded=loaded_default(), verbose=False, **kwargs)
+
+
+@functools.cache
+def hf_reference():
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_reference()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,  # run the full length: the engine does too with ignore_eos
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()

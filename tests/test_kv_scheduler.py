@@ -1,0 +1,106 @@
+"""Block pool, block tables and scheduler on their own: exact block ids, budgets, preemption order."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd.config import SchedulerConfig
+from inferd.kv.block_pool import BlockPool, OutOfBlocksError
+from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.sampling.params import SamplingParams
+from inferd.scheduler.scheduler import Scheduler
+from inferd.scheduler.sequence import Sequence, SequenceStatus
+
+
+def _seq(n_prompt: int, priority: int = 0, arrival: float = 0.0) -> Sequence:
+    return Sequence("r", 0, list(range(n_prompt)), n_prompt, SamplingParams(), priority, arrival)
+
+
+def test_block_pool_allocate_free_integrity():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 1
+    pool.incref([1])
+    pool.decref(a)
+    assert pool.ref_counts == [0, 1, 0, 0] and pool.num_free == 3
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(4)
+    pool.check_integrity({1: 1})
+    pool.decref([1])
+    pool.check_integrity({})
+    # Freed blocks go to the back of the queue: never-used block 3 comes first.
+    assert pool.allocate(1) == [3]
+
+
+def test_allocate_slots_and_slot_mapping():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate_slots(1, 0, 6)  # positions 0..5 → two blocks
+    assert kv.block_tables[1] == [0, 1]
+    assert [kv.slot(1, p) for p in (0, 3, 4, 5)] == [0, 3, 4, 5]
+    assert kv.allocate_slots(1, 6, 2)  # fits in block 1
+    assert kv.block_tables[1] == [0, 1]
+    assert kv.allocate_slots(1, 8, 1)
+    assert kv.block_tables[1] == [0, 1, 2]
+    assert not kv.allocate_slots(2, 0, 100)  # too big: nothing changes
+    assert kv.pool.num_free == 5
+    kv.free(1)
+    kv.free(2)
+    kv.check_integrity()
+    assert kv.pool.num_free == 8
+
+
+def test_fork_and_copy_on_write():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots(1, 0, 6)  # [0, 1], block 1 half full
+    kv.fork(1, 2)
+    assert kv.pool.ref_counts[:2] == [2, 2]
+    assert kv.allocate_slots(2, 6, 1)  # child writes position 6 into the shared block 1
+    assert kv.block_tables[2] == [0, 2] and kv.take_pending_copies() == [(1, 2)]
+    assert kv.allocate_slots(1, 6, 1)  # parent is now the only owner of block 1: no copy
+    assert kv.block_tables[1] == [0, 1] and kv.take_pending_copies() == []
+    kv.check_integrity()
+    kv.free(1)
+    kv.free(2)
+    assert kv.pool.num_free == 8
+
+
+def test_scheduler_budget_chunks_and_decodes_first():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8), kv)
+    a, b = _seq(25, arrival=0), _seq(3, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s is a, n) for s, n in out.scheduled] == [(True, 10)]  # a's first chunk takes it all
+    a.num_computed_tokens += 10
+    out = sched.schedule()
+    assert [n for _, n in out.scheduled] == [10]
+    a.num_computed_tokens += 10
+    out = sched.schedule()  # a's last 5 tokens, then b's 3-token prompt fills the budget
+    assert [(s is a, n) for s, n in out.scheduled] == [(True, 5), (False, 3)]
+    a.num_computed_tokens += 5
+    b.num_computed_tokens += 3
+    a.token_ids.append(1)
+    c = _seq(30, arrival=2)
+    sched.add(c)
+    out = sched.schedule()
+    # decode of a (1 token) first; b has no new token yet so it is not scheduled; c gets the rest
+    assert [(s, n) for s, n in out.scheduled] == [(a, 1), (c, 9)]
+
+
+def test_scheduler_preempts_lowest_priority_and_requeues():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), kv)
+    hi, lo = _seq(8, priority=0, arrival=1), _seq(8, priority=1, arrival=0)
+    for s in (hi, lo):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == [hi, lo]  # priority first, arrival second
+    for s, n in out.scheduled:
+        s.num_computed_tokens += n
+        s.token_ids.append(0)
+    out = sched.schedule()  # both need a third block, only 0 free: lo is preempted
+    assert out.preempted == [lo] and [s for s, _ in out.scheduled] == [hi]
+    assert lo.status is SequenceStatus.WAITING and lo.num_computed_tokens == 0
+    assert sched.waiting == [lo] and sched.num_preemptions == 1
+    kv.check_integrity()
