@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferd.server.errors import error_body
@@ -106,6 +104,3 @@ class BodyLimitMiddleware:
         await _send_error(send, 413, f"request body is {size}; the limit is {self.max_bytes} bytes "
                           "(--max-request-bytes)", "request_too_large")  # fmt: skip
 
-
-def header(scope: Scope, name: bytes) -> Any:
-    return next((v for k, v in scope["headers"] if k == name), None)

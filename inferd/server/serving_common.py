@@ -7,16 +7,18 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from inferd.engine.async_engine import AsyncEngine, RequestStream, RequestUpdate
 from inferd.loader.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
-from inferd.server.errors import APIError, to_api_error
+from inferd.server.errors import APIError, sse_error, to_api_error
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import _SamplingFields
 
@@ -147,14 +149,18 @@ async def add_requests(
     prompts: list[list[int]],
     params: SamplingParams,
     priority: int,
+    texts: list[str] | None = None,
 ) -> list[RequestStream]:
-    """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted)."""
+    """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted).
+
+    `texts`: the prompts as the user wrote them, for the request log (ids are logged otherwise).
+    """
     engine = state.ready_engine()
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            state.log_request(rid, ids, params)
+            state.log_request(rid, texts[i] if texts else ids, params)
             streams.append(await engine.add_request(rid, ids, params, priority))
     except BaseException as e:
         for stream in streams:
@@ -220,10 +226,11 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
         watcher.cancel()
-    if not task.done() or task.cancelled():
+        if not task.done():
+            task.cancel()  # its `finally` blocks abort the engine requests
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
         raise APIError(499, "client disconnected", code="client_disconnected")
     return task.result()
 
@@ -236,19 +243,31 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def stream_with_errors(
-    body: Callable[[], AsyncIterator[str]],
-) -> AsyncIterator[str]:
-    """Wrap an SSE body so a failure mid-stream becomes an error event the client can read."""
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that closes its engine streams however it ends.
 
-    async def run() -> AsyncIterator[str]:
-        from inferd.server.errors import sse_error
+    The body generator's own `finally` covers disconnects mid-stream, but a client that leaves
+    before the first chunk cancels the response before the generator ever starts.
+    """
 
+    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for event in body():
-                yield event
-        except Exception as e:  # headers are sent: the status can no longer change
-            yield sse_error(to_api_error(e, user_input=False))
-        yield SSE_DONE
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
 
-    return run()
+
+async def stream_with_errors(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame an SSE body: a failure mid-stream becomes an error event the client can read (the
+    status line is already sent), and the stream always ends with `data: [DONE]`."""
+    try:
+        async for event in body:
+            yield event
+    except Exception as e:
+        yield sse_error(to_api_error(e, user_input=False))
+    yield SSE_DONE

@@ -1,0 +1,145 @@
+"""The FastAPI app: routes only. The work lives in serving_*.py, the guards in middleware.py.
+
+The engine starts loading when the app starts; until it is ready /health answers 503 and so does
+every generation request, so an orchestrator can route traffic by the health probe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import inferd
+from inferd.engine.async_engine import AsyncEngine
+from inferd.server.errors import APIError, error_response, install_error_handlers
+from inferd.server.metrics import CONTENT_TYPE, ServerMetrics
+from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from inferd.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from inferd.server.serving_chat import create_chat_completion, render_chat
+from inferd.server.serving_common import ServerState
+from inferd.server.serving_completions import create_completion
+
+logger = logging.getLogger("inferd.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 10 << 20
+
+
+def build_app(
+    engine: AsyncEngine,
+    served_model_names: list[str],
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_log_len: int | None = None,
+    log_requests: bool = True,
+    on_ready: Any = None,
+) -> FastAPI:
+    """An app serving `engine` (not started yet: the app's lifespan starts and stops it).
+
+    `on_ready(engine)` is called once the model has loaded (the CLI logs the startup line there).
+    """
+    metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
+    engine.observer = metrics
+    state = ServerState(engine, served_model_names, metrics, max_log_len, log_requests)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        engine.start()
+
+        async def announce() -> None:
+            try:
+                await engine.wait_ready()
+            except Exception as e:
+                logger.error("%s", e)
+                return
+            if on_ready is not None:
+                on_ready(engine)
+
+        task = asyncio.create_task(announce())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible LLM serving")  # fmt: skip
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: refuse before reading
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        return await create_completion(state, req, raw)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
+        return await create_chat_completion(state, req, raw)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        state.ready_engine()
+        source = engine.engine.source if engine.engine is not None else None
+        cards = [ModelCard(id=name, created=state.created, root=str(source) if source else None,
+                           max_model_len=state.max_model_len)
+                 for name in served_model_names]  # fmt: skip
+        return ModelList(data=cards)
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if engine.ready:
+            return Response(status_code=200)
+        try:
+            state.ready_engine()
+        except APIError as e:
+            return error_response(e)
+        return error_response(APIError(503, "the engine is not running", code="engine_dead"))
+
+    @app.get("/metrics", response_model=None)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": inferd.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+        if req.messages is not None:
+            ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_model(req.model)
+        vocab = state.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range (vocab size {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+
+    return app
+

@@ -1,0 +1,84 @@
+"""`inferd serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+
+logger = logging.getLogger("inferd.server")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(p, model_positional=True)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model argument)")  # fmt: skip
+    g.add_argument("--api-key", default=os.environ.get("INFERD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $INFERD_API_KEY)")  # fmt: skip
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters (or token ids) of each prompt to log")  # fmt: skip
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests allowed to wait for the engine before 503s (default: no limit)")  # fmt: skip
+    g.add_argument("--max-request-bytes", type=parse_bytes, default="10MiB",
+                   help="largest request body accepted (413 above it)")  # fmt: skip
+    g.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    from inferd.loader.default_model import DEFAULT_MODEL_NAME
+
+    return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferd.engine.async_engine import AsyncEngine
+    from inferd.engine.core import EngineCore
+    from inferd.server.app import build_app
+
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    config = engine_config_from_args(args)  # validated here, before the port opens
+    template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            template = f.read()
+
+    def build_engine() -> EngineCore:
+        engine = EngineCore(config)
+        if template is not None:
+            engine.tokenizer.set_chat_template(template)
+        return engine
+
+    url = f"http://{args.host}:{args.port}"
+    names = served_names(args)
+
+    def on_ready(async_engine: AsyncEngine) -> None:
+        e = async_engine.engine
+        assert e is not None
+        stats = async_engine.stats
+        logger.info("serving %s (%s) as %s: dtype %s on %s, max_model_len %d, KV cache %d blocks "
+                    "× %d tokens = %d tokens; API at %s/v1 (auth %s)", e.source, e.file_type,
+                    ", ".join(names), str(e.dtype).removeprefix("torch."), e.device, e.max_model_len,
+                    stats.num_total_blocks, config.cache.block_size,
+                    stats.num_total_blocks * config.cache.block_size, url,
+                    "on" if args.api_key else "off")  # fmt: skip
+
+    engine = AsyncEngine(build_engine, max_queue_len=args.max_queue_len)
+    app = build_app(engine, names, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                    max_log_len=args.max_log_len, log_requests=not args.disable_log_requests,
+                    on_ready=on_ready)  # fmt: skip
+    logger.info("starting the server on %s; loading the model", url)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=5)  # fmt: skip
+    return 0

@@ -1,0 +1,201 @@
+"""POST /v1/chat/completions: messages → the model's (sandboxed) chat template → text.
+
+Streams follow OpenAI: every choice opens with a `{"role": "assistant", "content": ""}` delta, then
+one chunk per text delta; the last one carries `finish_reason`; usage comes last when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from inferd.engine.async_engine import RequestStream
+from inferd.engine.outputs import RequestOutput
+from inferd.loader.tokenizer import ChatTemplateError
+from inferd.scheduler.sequence import Logprob
+from inferd.server.errors import APIError, to_api_error
+from inferd.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    OtherPart,
+    TopLogprob,
+    UsageInfo,
+    now_s,
+    random_id,
+)
+from inferd.server.serving_common import (
+    EngineStreamingResponse,
+    ServerState,
+    add_requests,
+    check_length,
+    merge_streams,
+    sampling_params,
+    sse,
+    stream_with_errors,
+    until_disconnected,
+)
+
+# SamplingParams' names for what the chat API calls otherwise (for the error's `param`).
+_CHAT_ALIASES = {"logprobs": "top_logprobs"}
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content only, parts joined by newlines."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            texts = []
+            for part in m.content:
+                if isinstance(part, OtherPart):
+                    what = "a text part without `text`" if part.type == "text" else f"`{part.type}`"
+                    raise APIError(400, f"messages[{i}]: content part {what} is not supported "
+                                   "(this model takes text only)", param="messages")  # fmt: skip
+                texts.append(part.text)
+            content = "\n".join(texts)
+        # "developer" is OpenAI's newer name for "system"; templates only know the latter.
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(m, key)
+            if value is not None:
+                d[key] = value
+        out.append(d)
+    return out
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None,
+                extra: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+    """The prompt's token ids; a template that fails or escapes the sandbox is a 400."""
+    tok = state.tokenizer
+    try:
+        text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt,
+                                       tools=tools, **(extra or {}))  # fmt: skip
+    except ChatTemplateError as e:
+        raise to_api_error(e) from e
+    # The template writes the special tokens (BOS included) itself.
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(400, f"response_format {fmt!r} is not supported yet", param="response_format")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported yet",
+                       param="tool_choice")  # fmt: skip
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+
+
+def _logprob_entries(token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> list[ChatTokenLogprob]:
+    out = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry[tid]
+        best = sorted((e for e in entry.values() if e.rank <= top), key=lambda e: e.rank)[:top]
+        out.append(ChatTokenLogprob(
+            token=chosen.decoded_token or "", logprob=chosen.logprob,
+            bytes=list((chosen.decoded_token or "").encode()),
+            top_logprobs=[TopLogprob(token=e.decoded_token or "", logprob=e.logprob,
+                                     bytes=list((e.decoded_token or "").encode())) for e in best],
+        ))  # fmt: skip
+    return out
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    model = state.check_model(req.model)
+    _check_unsupported(req)
+    ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
+                      tools=req.tools if req.tool_choice != "none" else None,
+                      extra=req.chat_template_kwargs)  # fmt: skip
+    wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = check_length(len(ids), wanted, state.max_model_len)
+    top = req.top_logprobs or 0
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
+                             aliases=_CHAT_ALIASES)  # fmt: skip
+    request_id = random_id("chatcmpl")
+    created = now_s()
+    streams = await add_requests(state, request_id, [ids], params, req.priority,
+                                 [state.tokenizer.decode(ids, skip_special_tokens=False)])
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(request_id, created, model, req.n, streams[0], len(ids), include_usage,
+                       top if req.logprobs else None)  # fmt: skip
+        return EngineStreamingResponse(stream_with_errors(body), streams)
+    output = await until_disconnected(raw, _collect(streams[0]))
+    return JSONResponse(_response(request_id, created, model, output,
+                                  top if req.logprobs else None).model_dump())  # fmt: skip
+
+
+async def _collect(stream: RequestStream) -> RequestOutput:
+    async for _, update in merge_streams([stream]):
+        if update.output is not None:
+            return update.output
+    raise RuntimeError("request stream ended without an output")
+
+
+def _response(request_id: str, created: int, model: str, out: RequestOutput,
+              top: int | None) -> ChatCompletionResponse:  # fmt: skip
+    choices = []
+    for o in out.outputs:
+        logprobs = None
+        if top is not None and o.logprobs is not None:
+            logprobs = ChatLogprobs(content=_logprob_entries(o.token_ids, o.logprobs, top))
+        choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
+                                  logprobs=logprobs, finish_reason=o.finish_reason,
+                                  stop_reason=o.stop_reason))  # fmt: skip
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=UsageInfo.of(len(out.prompt_token_ids), completion))  # fmt: skip
+
+
+async def _stream(
+    request_id: str,
+    created: int,
+    model: str,
+    n: int,
+    stream: RequestStream,
+    num_prompt: int,
+    include_usage: bool,
+    top: int | None,
+) -> AsyncIterator[str]:
+    base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                            "model": model}  # fmt: skip
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
+              stop_reason: int | str | None = None) -> str:  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return sse({**base, "choices": [choice]})
+
+    # The role goes first, for every choice, before any token exists (clients show it at once).
+    for index in range(n):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    num_completion = 0
+    async for _, update in merge_streams([stream]):
+        for d in update.deltas:
+            num_completion += len(d.new_token_ids)
+            logprobs = None
+            if top is not None and d.new_logprobs:
+                logprobs = {"content": [e.model_dump() for e in
+                                        _logprob_entries(d.new_token_ids, d.new_logprobs, top)]}  # fmt: skip
+            if not d.text_delta and d.finish_reason is None and logprobs is None:
+                continue  # text held back (a possible stop string, a partial UTF-8 character)
+            delta = {"content": d.text_delta} if d.text_delta or logprobs else {}
+            yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
+    if include_usage:
+        usage = UsageInfo.of(num_prompt, num_completion).model_dump()
+        yield sse({**base, "choices": [], "usage": usage})
