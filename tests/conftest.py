@@ -1,0 +1,76 @@
+"""Shared fixtures: an isolated inferd cache dir, and tiny random models written once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import tiny_models`
+
+from tiny_models import TinyModel, TinySpec, write_gguf, write_hf_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def inferd_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point INFERD_CACHE_DIR at a session tmp dir: tests never read or write ~/.cache."""
+    path = tmp_path_factory.mktemp("inferd-cache")
+    old = os.environ.get("INFERD_CACHE_DIR")
+    os.environ["INFERD_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("INFERD_CACHE_DIR", None)
+    else:
+        os.environ["INFERD_CACHE_DIR"] = old
+
+
+class TinyModels:
+    """Writes each named tiny model on first use and keeps it for the session.
+
+    Names: "{arch}[-tied]-hf", "{arch}-hf-sharded", "{arch}[-tied]-{quant}.gguf" with arch
+    llama|qwen2 and quant f32|q8_0|q4_0|q4_1|f16|mixed (see tiny_models._quant_type).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._models: dict[str, TinyModel] = {}
+
+    def __getitem__(self, name: str) -> TinyModel:
+        if name not in self._models:
+            self._models[name] = self._write(name)
+        return self._models[name]
+
+    def _write(self, name: str) -> TinyModel:
+        stem, _, ext = name.partition(".")
+        parts = stem.split("-")
+        spec = TinySpec(arch=parts[0], tied="tied" in parts)
+        if ext == "gguf":
+            return write_gguf(self.root / name, spec, quant=parts[-1])
+        assert "hf" in parts, name
+        return write_hf_dir(self.root / name, spec, num_shards=2 if "sharded" in parts else 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_models: TinyModels) -> TinyModel:
+    """Untied Llama, HF directory (config.json, model.safetensors, tokenizer.json, ...)."""
+    return tiny_models["llama-hf"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_models: TinyModels) -> TinyModel:
+    """The same weights as `tiny_llama_hf`, as an F32 GGUF file."""
+    return tiny_models["llama-f32.gguf"]
+
+
+@pytest.fixture(scope="session")
+def hf_transformers():
+    """The `transformers` module (imported once; slow to import); skips when it is missing."""
+    return pytest.importorskip("transformers")
