@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from inferd.engine.core import EngineCore
 from inferd.engine.outputs import RequestOutput, SequenceDelta
@@ -32,6 +32,8 @@ from inferd.sampling.params import SamplingParams
 from inferd.scheduler.sequence import SequenceStatus
 
 logger = logging.getLogger("inferd.async_engine")
+
+T = TypeVar("T")
 
 
 class EngineNotReadyError(RuntimeError):
@@ -115,6 +117,12 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Call:
+    fn: Callable[[EngineCore], object]
+    done: asyncio.Future[object]
+
+
+@dataclass(slots=True)
 class _Track:
     """Engine-thread bookkeeping of one request (timings the engine does not keep)."""
 
@@ -187,7 +195,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # inbox: asyncio loop → engine thread; guarded by _cv, which also wakes the idle thread.
         self._cv = threading.Condition()
-        self._inbox: deque[_Add | _Abort] = deque()
+        self._inbox: deque[_Add | _Abort | _Call] = deque()
         self._stopping = False
         # Engine-thread state.
         self._tracks: dict[str, _Track] = {}
@@ -284,13 +292,21 @@ class AsyncEngine:
             self._mark_scheduled(stream)
         self._post(_Abort(request_id))
 
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(engine_core)` on the engine thread between steps (inspection, invariants)."""
+        self._check_serving()
+        assert self._loop is not None
+        done: asyncio.Future[object] = self._loop.create_future()
+        self._post(_Call(fn, done))
+        return await done  # type: ignore[return-value]
+
     def _check_serving(self) -> None:
         if self.load_error is not None or (self._thread is not None and not self.is_alive):
             raise EngineDeadError("the engine is not running")
         if not self.ready:
             raise EngineNotReadyError("the model is still loading")
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         with self._cv:
             self._inbox.append(command)
             self._cv.notify()
@@ -320,13 +336,17 @@ class AsyncEngine:
             except Exception:  # metrics must never break serving
                 logger.exception("engine observer failed")
 
-    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+    def _resolve(self, future: asyncio.Future[Any], error: BaseException | None) -> None:
         if future.done():
             return
         if error is None:
             future.set_result(None)
         else:
             future.set_exception(error)
+
+    def _resolve_value(self, future: asyncio.Future[object], value: object) -> None:
+        if not future.done():
+            future.set_result(value)
 
     def _call_loop(self, fn: Callable[..., object], *args: object) -> None:
         assert self._loop is not None
@@ -367,7 +387,15 @@ class AsyncEngine:
             self._call_loop(self._deliver, updates, scheduled, report)
         self._fail_all(engine, EngineDeadError("the server is shutting down"), {})
 
-    def _apply(self, engine: EngineCore, cmd: _Add | _Abort, report: StepReport) -> None:
+    def _apply(self, engine: EngineCore, cmd: _Add | _Abort | _Call, report: StepReport) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(engine)
+            except Exception as e:
+                self._call_loop(self._resolve, cmd.done, e)
+            else:
+                self._call_loop(self._resolve_value, cmd.done, result)
+            return
         if isinstance(cmd, _Abort):
             track = self._tracks.pop(cmd.request_id, None)
             self._unscheduled.discard(cmd.request_id)

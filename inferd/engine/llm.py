@@ -11,6 +11,7 @@ from tqdm import tqdm
 from inferd.config import CacheConfig, EngineConfig, SchedulerConfig
 from inferd.engine.core import EngineCore, RequestError
 from inferd.engine.outputs import RequestOutput
+from inferd.engine.stats import EngineStats
 from inferd.loader import Tokenizer
 from inferd.sampling.params import SamplingParams
 
@@ -153,8 +154,9 @@ class LLM:
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def reset_stats(self) -> None:
-        self.engine.stats_logger.update_rates(self.engine.stats, force=True)
+    def get_stats(self) -> EngineStats:
+        """Running / waiting / preempted counts, KV usage, token totals and throughputs."""
+        return self.engine.get_stats()
 
 
 def _with_template(tok: Tokenizer, template: str) -> Tokenizer:

@@ -10,7 +10,7 @@ from inferd.config import ModelConfig
 from inferd.layers.attention import AttentionMetadata, paged_attention
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
-from inferd.layers.rotary import RotaryEmbedding, rope_inv_freq
+from inferd.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
@@ -28,17 +28,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rotary: RotaryEmbedding,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qk.view(t, self.n_heads + self.n_kv, self.head_dim), *rope)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.view(t, self.n_kv, self.head_dim)
-        q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -63,8 +62,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, rotary, positions, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -98,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, self.rotary, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ def now_s() -> int:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN/Infinity are valid in Python's JSON but poison sampling: refuse them at the door.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

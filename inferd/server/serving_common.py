@@ -27,6 +27,7 @@ logger = logging.getLogger("inferd.server")
 T = TypeVar("T")
 
 MAX_N = 128  # OpenAI's own limit on `n`; also bounds the sequences one request may fork
+_INT64 = 2**63  # seeds and top_k end up in int64 tensors / torch.Generator
 
 
 @dataclass(slots=True)
@@ -111,6 +112,10 @@ def sampling_params(
     """SamplingParams from the request; its own range checks become 400s naming the field."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    if req.seed is not None and not -_INT64 <= req.seed < _INT64 - MAX_N:
+        raise APIError(400, f"seed must fit in 64 bits, got {req.seed}", param="seed")
+    if req.top_k is not None and req.top_k >= 2**31:
+        raise APIError(400, f"top_k must be < 2**31, got {req.top_k}", param="top_k")
     logit_bias: dict[int, float] | None = None
     if req.logit_bias:
         try:

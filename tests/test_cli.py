@@ -1,0 +1,46 @@
+"""The `inferd` command on the real default model, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.real_model import default_gguf
+
+
+def _inferd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "inferd.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_generate_streams_greedy_text_and_reports_speed():
+    r = _inferd("generate", "The capital of France is", "--max-tokens", "8",
+                "--kv-cache-memory", "64MiB")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+    assert "time to first token" in r.stderr and "KV cache:" in r.stderr
+
+
+def test_chat_repl_uses_template_and_exits():
+    r = _inferd("chat", "--max-tokens", "12", "--temperature", "0", "--kv-cache-memory", "64MiB",
+                stdin="What is the capital of France?\n/reset\n/exit\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(">>> ") >= 2 and "Paris" in r.stdout
+
+
+def test_info_reports_model_facts():
+    r = _inferd("info", str(default_gguf()))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^architecture\s+llama$", r.stdout, re.M)
+    assert "134,515,008" in r.stdout  # SmolLM2-135M's parameter count
+    assert "46,080 (float32)" in r.stdout  # 2 × 30 layers × 3 kv heads × 64 × 4 bytes
+    assert "8192" in r.stdout
+
+
+def test_bad_flag_value_is_one_clear_line():
+    r = _inferd("generate", "x", "--block-size", "3", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "inferd: error: --block-size must be a power of two >= 1, got 3"
+    )
