@@ -143,11 +143,14 @@ class EngineCore:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
+        """Queue a request. `prompt_token_ids`, when the caller already tokenized `prompt`
+        (with `validate`), saves tokenizing it twice."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.validate(prompt, params)
+        token_ids = self.validate(prompt_token_ids if prompt_token_ids is not None else prompt, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seq = Sequence(
             request_id=request_id,

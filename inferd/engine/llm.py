@@ -105,14 +105,15 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        token_ids: list[list[int]] = []
         for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             try:
-                self.engine.validate(p, sp)
+                token_ids.append(self.engine.validate(p, sp))
             except RequestError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
-        for rid, p, sp, prio in zip(ids, prompt_list, params_list, priorities):
-            self.engine.add_request(rid, p, sp, priority=prio)
+        for rid, p, toks, sp, prio in zip(ids, prompt_list, token_ids, params_list, priorities):
+            self.engine.add_request(rid, p, sp, priority=prio, prompt_token_ids=toks)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
