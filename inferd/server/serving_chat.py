@@ -119,7 +119,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                       tools=req.tools if req.tool_choice != "none" else None,
                       extra=req.chat_template_kwargs)  # fmt: skip
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = check_length(len(ids), wanted, state.max_model_len)
+    max_tokens = check_length(len(ids), wanted, state.max_model_len, "messages")
     top = req.top_logprobs or 0
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
                              aliases=_CHAT_ALIASES)  # fmt: skip

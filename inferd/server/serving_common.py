@@ -81,14 +81,16 @@ class ServerState:
         logger.info("received request %s: prompt: %r, params: %s", request_id, shown, params)
 
 
-def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+def check_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
     """The max_tokens to run with; a 400 naming how many tokens over the context it would go."""
     if num_prompt_tokens >= max_model_len:
         over = num_prompt_tokens - max_model_len + 1
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
                        f"However, your prompt is {num_prompt_tokens} tokens, {over} tokens over "
                        "the limit (at least one token must be generated). Please reduce the "
-                       "length of the prompt.", param="prompt", code="context_length_exceeded")  # fmt: skip
+                       "length of the prompt.", param=prompt_param, code="context_length_exceeded")  # fmt: skip
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
         return room

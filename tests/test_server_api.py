@@ -1,0 +1,427 @@
+"""The OpenAI-compatible server end to end: the real `inferd serve` with the real default model,
+driven by the official `openai` client and by raw HTTP (httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.real_model import loaded_default
+from tests.test_server_utils import MODEL, SMALL_ENGINE, RemoteServer, assert_error, metric
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    srv = RemoteServer(*SMALL_ENGINE, "--kv-cache-memory", "512MiB", "--max-num-seqs", "256")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server: RemoteServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return loaded_default().tokenizer
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, checking the framing on the way."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        events.append(block[len("data: "):])
+    return events
+
+
+def chat_prompt_len(tokenizer, messages: list[dict]) -> int:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ---- discovery ------------------------------------------------------------------------------
+
+
+def test_models_health_version_openapi(server: RemoteServer, client: openai.OpenAI, http: httpx.Client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(paths)
+
+
+def test_tokenize_detokenize(http: httpx.Client, tokenizer) -> None:
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert r["tokens"] == tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 1024
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
+    messages = [{"role": "user", "content": "hi"}]
+    r = http.post("/tokenize", json={"messages": messages}).json()
+    assert r["count"] == chat_prompt_len(tokenizer, messages)
+
+
+# ---- completions ----------------------------------------------------------------------------
+
+
+def test_completion_shape_and_usage(http: httpx.Client, tokenizer) -> None:
+    before = time.time()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                           "temperature": 0})  # fmt: skip
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) >= {"id", "object", "created", "model", "choices", "usage"}
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert before - 1 <= body["created"] <= time.time() + 1 and body["model"] == MODEL
+    (choice,) = body["choices"]
+    assert set(choice) >= {"index", "text", "logprobs", "finish_reason"}
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] == "length"
+    assert choice["text"]
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8,
+                             "total_tokens": prompt_tokens + 8}  # fmt: skip
+
+
+def test_completion_stream_matches_non_stream(client: openai.OpenAI, http: httpx.Client) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                            temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert all(c.id == chunks[0].id and c.id.startswith("cmpl-") for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    # Raw SSE: framing, [DONE], and usage only on the last chunk when asked for.
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                           "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    data = [json.loads(e) for e in events[:-1]]
+    assert all(d["object"] == "text_completion" for d in data)
+    assert all(d["usage"] is None for d in data[:-1])
+    assert data[-1]["choices"] == [] and data[-1]["usage"] == full.usage.model_dump(exclude_none=True)
+    assert "".join(d["choices"][0]["text"] for d in data[:-1]) == full.choices[0].text
+
+
+def test_completion_prompt_forms_and_echo(client: openai.OpenAI, tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    two = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=4,
+                                    temperature=0)  # fmt: skip
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Once upon a time"))
+    assert two.usage.completion_tokens == 8
+    assert two.choices[0].text == by_text.choices[0].text[: len(two.choices[0].text)]
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    cut = text[: text.index(stop)]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                        stop=[stop, "never-appears"])  # fmt: skip
+    choice = stopped.choices[0]
+    assert choice.text == cut and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                              temperature=0, stop=stop, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
+    def run(seed: int, **kw):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0,
+                                         seed=seed, **kw)  # fmt: skip
+
+    a, b = run(1234, n=2), run(1234, n=2)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 20 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    others = {run(seed).choices[0].text for seed in (1, 2, 3)}
+    assert len(others) > 1, "different seeds should sample differently"
+    # Streamed n=2: both choices arrive, each its own text.
+    chunks = list(run(1234, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert [texts[0], texts[1]] == [c.text for c in a.choices]
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 4
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+# ---- chat -------------------------------------------------------------------------------------
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]  # fmt: skip
+
+
+def test_chat_non_stream_and_stream(client: openai.OpenAI, http: httpx.Client, tokenizer) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    flat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    assert full.usage.prompt_tokens == chat_prompt_len(tokenizer, flat)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
+                                                 temperature=0, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    # Usage chunk, raw.
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 10,
+                                                "temperature": 0, "stream": True,
+                                                "stream_options": {"include_usage": True}})  # fmt: skip
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"] == full.usage.model_dump(exclude_none=True)
+    first = json.loads(events[0])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_chat_max_completion_tokens_n2_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5,
+                                       temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 10
+    for c in r.choices:
+        assert c.finish_reason == "length"
+        content = c.logprobs.content
+        assert len(content) == 5
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+        assert "".join(t.token for t in content) == c.message.content
+
+
+# ---- load, cancellation, metrics --------------------------------------------------------------
+
+
+def test_256_concurrent_streams(client: openai.OpenAI, server: RemoteServer) -> None:
+    prompts = [PROMPT, "Once upon a time", "The best way to learn is", "def fibonacci(n):"]
+    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in prompts]  # fmt: skip
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=8,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})  # fmt: skip
+        text, finish, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, finish, tokens
+
+    async def main() -> list[tuple[str, str | None, int]]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(limits=limits, timeout=600) as h:
+            aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", http_client=h,
+                                         max_retries=0)  # fmt: skip
+            return await asyncio.gather(*(one(aclient, i) for i in range(256)))
+
+    results = asyncio.run(main())
+    assert len(results) == 256
+    for i, (text, finish, tokens) in enumerate(results):
+        assert (text, finish, tokens) == (expected[i % 4], "length", 8), i
+
+
+def _metrics(http: httpx.Client) -> str:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    return r.text
+
+
+def _wait_idle(http: httpx.Client, timeout: float = 120.0) -> str:
+    """Poll /metrics until nothing runs and every KV block is back in the pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _metrics(http)
+        idle = (metric(text, "inferd:num_requests_running") == 0
+                and metric(text, "inferd:num_requests_waiting") == 0
+                and metric(text, "inferd:num_free_kv_blocks") == metric(text, "inferd:num_total_kv_blocks"))  # fmt: skip
+        if idle or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+def test_cancelled_stream_frees_blocks(server: RemoteServer, http: httpx.Client) -> None:
+    before = _wait_idle(http)
+    aborts = metric(before, "inferd:request_success_total", finished_reason="abort")
+    total = metric(before, "inferd:num_total_kv_blocks")
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=300) as own:
+        with own.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                got += line.startswith("data: ")
+                if got == 3:
+                    break
+            during = _metrics(http)
+            assert metric(during, "inferd:num_requests_running") == 1
+            assert metric(during, "inferd:num_free_kv_blocks") < total
+        # Leaving the block closes the connection mid-stream: the server must abort the request.
+    after = _wait_idle(http)
+    assert metric(after, "inferd:num_requests_running") == 0
+    assert metric(after, "inferd:num_free_kv_blocks") == total
+    assert metric(after, "inferd:kv_cache_usage_perc") == 0
+    assert metric(after, "inferd:request_success_total", finished_reason="abort") == aborts + 1
+
+
+def test_disconnected_non_stream_request_is_aborted(server: RemoteServer, http: httpx.Client) -> None:
+    before = _wait_idle(http)
+    aborts = metric(before, "inferd:request_success_total", finished_reason="abort")
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(300, read=1.0)) as own:
+        with pytest.raises(httpx.ReadTimeout):
+            own.post("/v1/completions", json=body)
+    after = _wait_idle(http)
+    assert metric(after, "inferd:num_free_kv_blocks") == metric(after, "inferd:num_total_kv_blocks")
+    assert metric(after, "inferd:request_success_total", finished_reason="abort") == aborts + 1
+
+
+def test_metrics(http: httpx.Client, client: openai.OpenAI) -> None:
+    before = _wait_idle(http)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    after = _metrics(http)
+    for name in ("inferd:time_to_first_token_seconds_count", "inferd:inter_token_latency_seconds_count",
+                 "inferd:e2e_request_latency_seconds_count", "inferd:request_queue_time_seconds_count",
+                 "inferd:num_requests_running", "inferd:num_requests_waiting",
+                 "inferd:kv_cache_usage_perc", "inferd:num_preemptions_total",
+                 "inferd:prefix_cache_queries_total", "inferd:prefix_cache_hits_total"):  # fmt: skip
+        metric(after, name, model_name=MODEL)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("inferd:generation_tokens_total") == 5
+    assert delta("inferd:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("inferd:request_success_total", finished_reason="length") == 1
+    assert delta("inferd:time_to_first_token_seconds_count") == 1
+    assert delta("inferd:e2e_request_latency_seconds_count") == 1
+    assert delta("inferd:request_queue_time_seconds_count") == 1
+    assert delta("inferd:inter_token_latency_seconds_count") == 4
+    assert delta("inferd:prefix_cache_queries_total") == r.usage.prompt_tokens
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+LONG = "hello " * 1100  # > max_model_len 1024 tokens
+
+ERRORS = [
+    # (path, body (dict, or raw bytes), status, param)
+    ("/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("/v1/completions", b"[1, 2, 3]", 400, None),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000000": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 10**20}, 400, "top_k"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3,
+                              "logprobs": True, "n": 200}, 400, "n"),  # fmt: skip
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),  # fmt: skip
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),  # fmt: skip
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    ("/tokenize", {"prompt": "hi", "model": "nope"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), ERRORS,
+                         ids=[f"{i}-{e[0].rsplit('/', 1)[-1]}-{e[2]}" for i, e in enumerate(ERRORS)])  # fmt: skip
+def test_error_responses(http: httpx.Client, path: str, body: dict | bytes, status: int, param: str | None) -> None:
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert_error(r, status, param)
+
+
+def test_over_length_message_says_by_how_much(http: httpx.Client, tokenizer) -> None:
+    n = len(tokenizer.encode(LONG))
+    err = assert_error(http.post("/v1/completions", json={"prompt": LONG}), 400, "prompt")
+    assert f"{n - 1024 + 1} tokens over" in err["message"] and "1024" in err["message"]
+    err = assert_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5000}), 400)
+    assert "over the limit" in err["message"]
+
+
+def test_unknown_route_and_method_are_openai_errors(http: httpx.Client) -> None:
+    assert_error(http.get("/v1/nothing-here"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-2)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_server_survives_errors(client: openai.OpenAI) -> None:
+    """After all the bad requests above the engine still serves (nothing leaked or crashed)."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
