@@ -37,7 +37,7 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # `not >=` also refuses NaN
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
@@ -51,7 +51,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {value}")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
