@@ -19,7 +19,7 @@ from inferd.engine.model_runner import ModelRunner
 from inferd.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache_manager import KVCacheManager
-from inferd.loader import LoadedModel, load_model
+from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model
 from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler
@@ -92,8 +92,11 @@ class EngineCore:
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
         self.kv = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
-                            dtype=self.dtype, device=self.device)  # fmt: skip
+        try:
+            model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
+                                dtype=self.dtype, device=self.device)  # fmt: skip
+        except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
+            raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device)
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}

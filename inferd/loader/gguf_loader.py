@@ -151,6 +151,19 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
+    """Any failure on a damaged file (undecodable strings, merges or vocab the tokenizer refuses)
+    surfaces as one ModelLoadError naming the file."""
+    try:
+        return _load_gguf(path, show_progress)
+    except ModelLoadError as e:
+        if str(path) in str(e):
+            raise
+        raise ModelLoadError(f"{path}: {e}") from e
+    except Exception as e:  # tokenizers raises bare Exception; metadata decoding UnicodeDecodeError
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata: {type(e).__name__}: {e}") from e
+
+
+def _load_gguf(path: Path, show_progress: bool) -> LoadedModel:
     import gguf
 
     try:

@@ -76,7 +76,10 @@ def hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory}: no tokenizer.json")
-    hf = HFTokenizer.from_file(str(path))
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises bare Exception on a malformed file
+        raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from e
     tcfg_path = directory / "tokenizer_config.json"
     tcfg = _read_json(tcfg_path) if tcfg_path.is_file() else {}
     template = tcfg.get("chat_template")
@@ -100,7 +103,10 @@ def load_hf_dir(directory: Path, show_progress: bool = True) -> LoadedModel:
         raise ModelLoadError(f"{directory}: not a model directory (no config.json)")
     cfg = _read_json(cfg_path)
     gen_path = directory / "generation_config.json"
-    config = hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
+    try:
+        config = hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: required field {e.args[0]!r} is missing") from e
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")
