@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated inferd cache dir, and tiny random models written once per session."""
+"""Shared fixtures: an isolated inferd cache dir; tiny random models written once per session."""
 
 from __future__ import annotations
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 from tiny_models import TinySpec, write_gguf, write_hf_dir
 
@@ -121,6 +124,8 @@ def test_generate_refuses_a_bad_batch_before_running_any(llm, good_prompts, refe
         ({"top_p": 1.5}, "top_p must be in (0, 1]"),
         ({"top_p": -0.1}, "top_p must be in (0, 1]"),
         ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be > 0"),
         ({"stop": 5}, "stop must be a string or a list of strings"),
         ({"stop": [1, 2]}, "stop must be a string or a list of strings"),
         ({"stop": ["ok", 3]}, "stop must be a string or a list of strings"),
@@ -158,7 +163,7 @@ def test_truncated_gguf(tmp_path: Path, tiny_llama_gguf) -> None:
 
 
 def test_corrupt_gguf(tmp_path: Path, tiny_llama_gguf) -> None:
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     path = tmp_path / "random.gguf"
     path.write_bytes(bytes(rng.getrandbits(8) for _ in range(4096)))
     with pytest.raises(ModelLoadError, match=str(path)):
@@ -174,6 +179,70 @@ def test_corrupt_gguf(tmp_path: Path, tiny_llama_gguf) -> None:
     empty.write_bytes(b"")
     with pytest.raises(ModelLoadError, match=str(empty)):
         load_model(empty, verbose=False)
+
+
+def test_corrupt_gguf_metadata(tmp_path: Path, tiny_llama_gguf) -> None:
+    """Damage inside the metadata: an undecodable merge, a merge without its space, and seeded
+    random byte flips anywhere before the tensor data. Each file loads or raises ModelLoadError."""
+    data = tiny_llama_gguf.path.read_bytes()
+    merges_at = data.index(b"tokenizer.ggml.merges")
+    first_merge = _merges_of(tiny_llama_gguf)[0].encode()
+    at = data.index(first_merge, merges_at)
+    for name, patch in [("utf8.gguf", b"\xff"), ("nospace.gguf", first_merge.replace(b" ", b"_"))]:
+        path = tmp_path / name
+        path.write_bytes(data[:at] + patch + data[at + len(patch) :])
+        with pytest.raises(ModelLoadError, match=str(path)):
+            load_model(path, verbose=False, use_cache=False)
+
+    header_end = gguf.GGUFReader(str(tiny_llama_gguf.path)).data_offset
+    rng = random.Random(1234)
+    path = tmp_path / "flipped.gguf"
+    for _ in range(150):
+        damaged = bytearray(data)
+        for _ in range(3):
+            damaged[rng.randrange(8, header_end)] = rng.randrange(256)
+        path.write_bytes(bytes(damaged))
+        try:
+            load_model(path, verbose=False, use_cache=False)
+        except ModelLoadError as e:
+            assert str(path) in str(e)
+
+
+def _merges_of(model) -> list[str]:
+    merges = json.loads(model.tokenizer.to_str())["model"]["merges"]
+    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def test_gguf_missing_a_tensor(tmp_path: Path, tiny_llama_gguf) -> None:
+    weights = dict(tiny_llama_gguf.original)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, TinySpec(), state_dict=weights)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), kv_cache_memory=1 << 20, verbose=False)
+    assert str(path) in str(err.value) and "model.layers.1.mlp.up_proj.weight" in str(err.value)
+
+
+def test_damaged_hf_directory(tmp_path: Path, tiny_llama_hf) -> None:
+    """A malformed tokenizer.json, a config without hidden_size, a missing or misshapen tensor."""
+    weights = dict(tiny_llama_hf.weights)
+    del weights["lm_head.weight"]
+    write_hf_dir(tmp_path / "no-head", TinySpec(), state_dict=weights)
+    weights = dict(tiny_llama_hf.weights)
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:9]
+    write_hf_dir(tmp_path / "shape", TinySpec(), state_dict=weights)
+    write_hf_dir(tmp_path / "tok", TinySpec())
+    (tmp_path / "tok" / "tokenizer.json").write_text("{garbage")
+    write_hf_dir(tmp_path / "cfg", TinySpec())
+    cfg = json.loads((tmp_path / "cfg" / "config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    cases = [("no-head", "lm_head.weight"), ("shape", "checkpoint shape"),
+             ("tok", "tokenizer.json"), ("cfg", "'hidden_size' is missing")]  # fmt: skip
+    for name, words in cases:
+        with pytest.raises(ModelLoadError) as err:
+            LLM(str(tmp_path / name), kv_cache_memory=1 << 20, verbose=False)
+        assert str(tmp_path / name) in str(err.value) and words in str(err.value), str(err.value)
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:

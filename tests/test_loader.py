@@ -50,6 +50,9 @@ TEXTS = [
     "don't stop, we're sure they'll say it's fine",
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more text",
+    # Where the split regexes differ from GPT-2's: "(x" and ".proj" stay one piece, ":\n" too.
+    "def forward(self, x):\n    return self.proj(x) + 1  # residual\n",
+    "DON'T STOP. We'RE here!\nOk.\n\n",
 ]
 
 KV_BYTES = 8 << 20  # 8 MiB of KV cache: plenty for the tiny models, cheap to allocate
@@ -108,7 +111,8 @@ def test_round_trip_weights(tiny_models, name: str) -> None:
             # reproduce it, and it must be near (not equal to) the fp32 original.
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=key)
     if not exact:
-        quantized = [k for k in model.weights if not torch.equal(model.weights[k], model.original[k])]
+        original = model.original
+        quantized = [k for k in model.weights if not torch.equal(model.weights[k], original[k])]
         assert quantized, "no tensor was actually quantized"
         for key in quantized:
             orig = model.original[key]
@@ -150,7 +154,8 @@ def test_tokenizer_round_trip(tiny_models, name: str) -> None:
     for text in TEXTS:
         want = ref.encode(text, add_special_tokens=False).ids
         assert tok.encode(text) == want, text
-        assert tok.decode(want, skip_special_tokens=False) == ref.decode(want, skip_special_tokens=False)
+        want_text = ref.decode(want, skip_special_tokens=False)
+        assert tok.decode(want, skip_special_tokens=False) == want_text
         assert tok.decode(want, skip_special_tokens=False) == text
         assert tok.decode(want) == ref.decode(want, skip_special_tokens=True)
     for special in SPECIAL_TOKENS:
@@ -162,7 +167,7 @@ def test_tokenizer_round_trip(tiny_models, name: str) -> None:
 
 
 def test_pre_tokenizer_follows_the_model(tiny_models) -> None:
-    """Llama 3 groups digits by three, Qwen2 splits each digit: GGUF 'pre' must pick the right one."""
+    """Llama 3 groups digits by three, Qwen2 splits each digit: GGUF 'pre' picks the right one."""
     llama = _load(tiny_models["llama-f32.gguf"]).tokenizer
     qwen = _load(tiny_models["qwen2-f32.gguf"]).tokenizer
     assert len(qwen.encode("1234567890")) == 10
@@ -246,6 +251,11 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path: Path, inferd_cache_dir: Path) 
 
 
 # ---- greedy parity with HF transformers ------------------------------------------------------
+def _llm(model: TinyModel, **kw) -> LLM:
+    return LLM(str(model.path), kv_cache_memory=KV_BYTES, dtype="float32", device="cpu",
+               verbose=False, **kw)  # fmt: skip
+
+
 def _prompts(vocab_size: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
     # Ids >= 3 skip the special tokens; lengths cross block boundaries (block size 16).
@@ -263,7 +273,7 @@ def _hf_greedy(ref, prompt: list[int], max_new: int, eos: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_reference(hf_transformers, tiny_models, tmp_path_factory):
-    """name of a tiny model → HF transformers model on exactly the weights the engine should load."""
+    """Tiny model name → HF transformers model on exactly the weights the engine should load."""
     cache: dict[str, object] = {}
 
     def get(name: str):
@@ -274,7 +284,8 @@ def hf_reference(hf_transformers, tiny_models, tmp_path_factory):
             else:  # a GGUF: its dequantized, unpermuted weights as an HF directory
                 directory = tmp_path_factory.mktemp("hf-ref")
                 write_hf_dir(directory, model.spec, state_dict=model.weights)
-            ref = hf_transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            auto = hf_transformers.AutoModelForCausalLM
+            ref = auto.from_pretrained(directory, dtype=torch.float32)
             cache[name] = ref.eval()
         return cache[name]
 
@@ -292,7 +303,7 @@ def test_greedy_parity_with_transformers(tiny_models, hf_reference, name: str) -
     prompts = _prompts(model.vocab_size)
     max_new = 16
     want = [_hf_greedy(ref, p, max_new, model.eos_id) for p in prompts]
-    llm = LLM(str(model.path), kv_cache_memory=KV_BYTES, dtype="float32", device="cpu", verbose=False)
+    llm = _llm(model)
     params = SamplingParams(temperature=0, max_tokens=max_new)
     # All prompts in one batch, then one at a time: batch composition must not change the tokens.
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -312,8 +323,7 @@ def test_greedy_parity_chunked_prefill(tiny_models, hf_reference) -> None:
     ref = hf_reference("llama-hf")
     prompts = _prompts(model.vocab_size)
     want = [_hf_greedy(ref, p, 16, model.eos_id) for p in prompts]
-    llm = LLM(str(model.path), kv_cache_memory=KV_BYTES, dtype="float32", device="cpu",
-              max_num_batched_tokens=16, verbose=False)  # fmt: skip
+    llm = _llm(model, max_num_batched_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -328,7 +338,7 @@ def test_greedy_parity_transformers_reading_the_gguf(tiny_models, hf_transformer
     ).eval()
     prompts = _prompts(model.vocab_size)[1:3]
     want = [_hf_greedy(ref, p, 16, model.eos_id) for p in prompts]
-    llm = LLM(str(model.path), kv_cache_memory=KV_BYTES, dtype="float32", device="cpu", verbose=False)
+    llm = _llm(model)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in outs] == want

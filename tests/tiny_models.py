@@ -38,8 +38,10 @@ CHAT_TEMPLATE = (
 # The split regexes of Llama 3's and Qwen2's tokenizer.json (what llama.cpp calls "llama-bpe" and
 # "qwen2"); they differ only in how digits group (\p{N}{1,3} vs \p{N}).
 _SPLIT_REGEX = {
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 
 _CORPUS_LINES = [
@@ -144,7 +146,8 @@ def make_state_dict(spec: TinySpec, vocab_size: int) -> dict[str, torch.Tensor]:
     def norm() -> torch.Tensor:
         return 1.0 + rand(spec.hidden, scale=0.1)
 
-    h, q, kv, i = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.intermediate
+    h, i = spec.hidden, spec.intermediate
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab_size, h, scale=1.0)}
     for layer in range(spec.layers):
         p = f"model.layers.{layer}."
@@ -170,11 +173,13 @@ def make_state_dict(spec: TinySpec, vocab_size: int) -> dict[str, torch.Tensor]:
 # ---- GGUF ------------------------------------------------------------------------------------
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: HF's half-split rope rows → interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 _GGUF_LAYER = {
@@ -253,7 +258,8 @@ def write_gguf(
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_rope_dimension_count(spec.head_dim)
     w.add_vocab_size(len(tokens))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "f32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    ftype = gguf.LlamaFileType
+    w.add_file_type(ftype.ALL_F32 if quant == "f32" else ftype.MOSTLY_Q8_0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec.pre)
     w.add_token_list(tokens)
