@@ -336,17 +336,15 @@ class AsyncEngine:
             except Exception:  # metrics must never break serving
                 logger.exception("engine observer failed")
 
-    def _resolve(self, future: asyncio.Future[Any], error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    def _resolve_value(self, future: asyncio.Future[object], value: object) -> None:
-        if not future.done():
-            future.set_result(value)
+    @staticmethod
+    def _reply(replies: list[tuple[asyncio.Future[Any], object, BaseException | None]]) -> None:
+        for future, result, error in replies:
+            if future.done():  # the caller was cancelled meanwhile
+                continue
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
     def _call_loop(self, fn: Callable[..., object], *args: object) -> None:
         assert self._loop is not None
@@ -377,8 +375,13 @@ class AsyncEngine:
                 self._inbox.clear()
             updates: dict[str, RequestUpdate] = {}
             report = StepReport(stats=self._stats)
+            replies: list[tuple[asyncio.Future[Any], object, BaseException | None]] = []
             for cmd in commands:
-                self._apply(engine, cmd, report)
+                self._apply(engine, cmd, report, replies)
+            if replies:
+                # Snapshot first, so a client that sees its request accepted also sees it counted.
+                self._stats = dataclasses.replace(engine.get_stats())
+                self._call_loop(self._reply, replies)
             scheduled: list[str] = []
             if engine.has_unfinished_requests():
                 self._step(engine, updates, scheduled, report)
@@ -387,14 +390,19 @@ class AsyncEngine:
             self._call_loop(self._deliver, updates, scheduled, report)
         self._fail_all(engine, EngineDeadError("the server is shutting down"), {})
 
-    def _apply(self, engine: EngineCore, cmd: _Add | _Abort | _Call, report: StepReport) -> None:
+    def _apply(
+        self,
+        engine: EngineCore,
+        cmd: _Add | _Abort | _Call,
+        report: StepReport,
+        replies: list[tuple[asyncio.Future[Any], object, BaseException | None]],
+    ) -> None:
+        """Run one command; answers for the loop go to `replies` (future, result, error)."""
         if isinstance(cmd, _Call):
             try:
-                result = cmd.fn(engine)
+                replies.append((cmd.done, cmd.fn(engine), None))
             except Exception as e:
-                self._call_loop(self._resolve, cmd.done, e)
-            else:
-                self._call_loop(self._resolve_value, cmd.done, result)
+                replies.append((cmd.done, None, e))
             return
         if isinstance(cmd, _Abort):
             track = self._tracks.pop(cmd.request_id, None)
@@ -409,11 +417,11 @@ class AsyncEngine:
         try:
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time)
         except Exception as e:  # RequestError and anything else: the request's error, not ours
-            self._call_loop(self._resolve, cmd.accepted, e)
+            replies.append((cmd.accepted, None, e))
             return
         self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
         self._unscheduled.add(cmd.request_id)
-        self._call_loop(self._resolve, cmd.accepted, None)
+        replies.append((cmd.accepted, None, None))
 
     def _step(
         self,
