@@ -7,6 +7,7 @@ runs it in a thread for servers.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -117,8 +118,8 @@ class EngineCore:
             if not prompt:
                 raise RequestError("prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy / torch integers welcome
         else:
             raise RequestError("prompt must be a string or a list of token ids")
         if not token_ids:

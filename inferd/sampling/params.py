@@ -37,8 +37,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not self.temperature >= 0:  # `not >=` also refuses NaN
-            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # written so that NaN fails too
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
@@ -68,7 +68,10 @@ class SamplingParams:
             if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
                 bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                bad(f"logit_bias must map integer token ids to numbers, got {self.logit_bias!r}")
             for tok, bias in self.logit_bias.items():
                 if tok < 0:
                     bad(f"logit_bias token id must be >= 0, got {tok}")
