@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 import inferd
 from inferd.engine.async_engine import AsyncEngine
-from inferd.server.errors import APIError, error_response, install_error_handlers
+from inferd.server.errors import APIError, api_errors, error_response, install_error_handlers
 from inferd.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from inferd.server.protocol import (
@@ -87,14 +87,17 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: refuse before reading
 
     @app.post("/v1/completions", response_model=None)
+    @api_errors
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         return await create_completion(state, req, raw)
 
     @app.post("/v1/chat/completions", response_model=None)
+    @api_errors
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(state, req, raw)
 
     @app.get("/v1/models")
+    @api_errors
     async def models() -> ModelList:
         state.ready_engine()
         source = engine.engine.source if engine.engine is not None else None
@@ -104,6 +107,7 @@ def build_app(
         return ModelList(data=cards)
 
     @app.get("/health", response_model=None)
+    @api_errors
     async def health() -> Response:
         if engine.ready:
             return Response(status_code=200)
@@ -114,14 +118,17 @@ def build_app(
         return error_response(APIError(503, "the engine is not running", code="engine_dead"))
 
     @app.get("/metrics", response_model=None)
+    @api_errors
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
+    @api_errors
     async def version() -> dict[str, str]:
         return {"version": inferd.__version__}
 
     @app.post("/tokenize")
+    @api_errors
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -133,6 +140,7 @@ def build_app(
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
+    @api_errors
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(req.model)
         vocab = state.tokenizer.vocab_size

@@ -6,10 +6,12 @@ a stack trace (unexpected exceptions are logged server-side and answered with a 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +28,9 @@ from inferd.engine.core import RequestError
 from inferd.loader.tokenizer import ChatTemplateError
 
 logger = logging.getLogger("inferd.server")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class APIError(Exception):
@@ -111,6 +116,25 @@ def to_api_error(
         return APIError(400, message, param=param)
     logger.error("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", code="internal_error")
+
+
+def api_errors(handler: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Route decorator: any exception leaves the handler as an `APIError`.
+
+    An exception that reached Starlette's catch-all handler would still be answered, but then
+    re-raised into the server, which logs it as a crash and drops the keep-alive connection.
+    """
+
+    @functools.wraps(handler)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await handler(*args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:
+            raise to_api_error(e, user_input=False) from e
+
+    return wrapper
 
 
 def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
