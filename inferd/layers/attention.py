@@ -58,8 +58,9 @@ def paged_attention(
         bt = meta.decode_block_tables
         bd, max_blocks = bt.shape
         # [Bd, max_blocks, bs, Hkv, D] → [Bd, Hkv, L, D]
-        keys = k_cache[bt].view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
-        vals = v_cache[bt].view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
+        flat = bt.view(-1)  # index_select: far cheaper than advanced indexing with a 2-D index
+        keys = k_cache.index_select(0, flat).view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
+        vals = v_cache.index_select(0, flat).view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
         qd = q if meta.decode_is_whole_batch else q[meta.decode_rows]
         o = F.scaled_dot_product_attention(
             qd.unsqueeze(2), keys, vals, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
@@ -77,8 +78,8 @@ def paged_attention(
                                                enable_gqa=gqa)  # fmt: skip
         else:
             n = p.block_table.numel()
-            kp = k_cache[p.block_table].view(1, n * block_size, n_kv, d)[:, : p.context_len]
-            vp = v_cache[p.block_table].view(1, n * block_size, n_kv, d)[:, : p.context_len]
+            kp = k_cache.index_select(0, p.block_table).view(1, n * block_size, n_kv, d)[:, : p.context_len]
+            vp = v_cache.index_select(0, p.block_table).view(1, n * block_size, n_kv, d)[:, : p.context_len]
             o = F.scaled_dot_product_attention(
                 qp, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=p.mask, scale=scale,
                 enable_gqa=gqa,
