@@ -48,7 +48,7 @@ def sse_events(response: httpx.Response) -> list[str]:
         if not block:
             continue
         assert block.startswith("data: "), block
-        events.append(block[len("data: "):])
+        events.append(block[len("data: ") :])
     return events
 
 
@@ -60,7 +60,9 @@ def chat_prompt_len(tokenizer, messages: list[dict]) -> int:
 # ---- discovery ------------------------------------------------------------------------------
 
 
-def test_models_health_version_openapi(server: RemoteServer, client: openai.OpenAI, http: httpx.Client) -> None:
+def test_models_health_version_openapi(
+    server: RemoteServer, client: openai.OpenAI, http: httpx.Client
+) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
@@ -85,8 +87,10 @@ def test_tokenize_detokenize(http: httpx.Client, tokenizer) -> None:
 
 def test_completion_shape_and_usage(http: httpx.Client, tokenizer) -> None:
     before = time.time()
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
-                                           "temperature": 0})  # fmt: skip
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200
     body = r.json()
     assert set(body) >= {"id", "object", "created", "model", "choices", "usage"}
@@ -94,31 +98,49 @@ def test_completion_shape_and_usage(http: httpx.Client, tokenizer) -> None:
     assert before - 1 <= body["created"] <= time.time() + 1 and body["model"] == MODEL
     (choice,) = body["choices"]
     assert set(choice) >= {"index", "text", "logprobs", "finish_reason"}
-    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] == "length"
+    assert (
+        choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] == "length"
+    )
     assert choice["text"]
     prompt_tokens = len(tokenizer.encode(PROMPT))
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8,
-                             "total_tokens": prompt_tokens + 8}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 8,
+        "total_tokens": prompt_tokens + 8,
+    }
 
 
 def test_completion_stream_matches_non_stream(client: openai.OpenAI, http: httpx.Client) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                            temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert all(c.id == chunks[0].id and c.id.startswith("cmpl-") for c in chunks)
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     # Raw SSE: framing, [DONE], and usage only on the last chunk when asked for.
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                           "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     data = [json.loads(e) for e in events[:-1]]
     assert all(d["object"] == "text_completion" for d in data)
     assert all(d["usage"] is None for d in data[:-1])
-    assert data[-1]["choices"] == [] and data[-1]["usage"] == full.usage.model_dump(exclude_none=True)
+    assert data[-1]["choices"] == [] and data[-1]["usage"] == full.usage.model_dump(
+        exclude_none=True
+    )
     assert "".join(d["choices"][0]["text"] for d in data[:-1]) == full.choices[0].text
 
 
@@ -128,13 +150,16 @@ def test_completion_prompt_forms_and_echo(client: openai.OpenAI, tokenizer) -> N
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
-    two = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=4,
-                                    temperature=0)  # fmt: skip
+    two = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=4, temperature=0
+    )
     assert [c.index for c in two.choices] == [0, 1]
     assert two.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Once upon a time"))
     assert two.usage.completion_tokens == 8
     assert two.choices[0].text == by_text.choices[0].text[: len(two.choices[0].text)]
-    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    echo = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True
+    )
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
 
 
@@ -145,21 +170,26 @@ def test_stop_strings(client: openai.OpenAI) -> None:
     assert len(words) >= 3, text
     stop = words[2]
     cut = text[: text.index(stop)]
-    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
-                                        stop=[stop, "never-appears"])  # fmt: skip
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-appears"]
+    )
     choice = stopped.choices[0]
     assert choice.text == cut and choice.finish_reason == "stop"
     assert choice.model_extra["stop_reason"] == stop
-    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                              temperature=0, stop=stop, stream=True))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
 def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
     def run(seed: int, **kw):
-        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0,
-                                         seed=seed, **kw)  # fmt: skip
+        return client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed, **kw
+        )
 
     a, b = run(1234, n=2), run(1234, n=2)
     assert [c.index for c in a.choices] == [0, 1]
@@ -177,7 +207,9 @@ def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == r.choices[0].text
@@ -190,28 +222,45 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 # ---- chat -------------------------------------------------------------------------------------
 
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+]
 
 
 def test_chat_non_stream_and_stream(client: openai.OpenAI, http: httpx.Client, tokenizer) -> None:
-    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0
+    )
     assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
     msg = full.choices[0].message
     assert msg.role == "assistant" and msg.content
-    flat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    flat = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     assert full.usage.prompt_tokens == chat_prompt_len(tokenizer, flat)
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
-                                                 temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     # Usage chunk, raw.
-    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 10,
-                                                "temperature": 0, "stream": True,
-                                                "stream_options": {"include_usage": True}})  # fmt: skip
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "max_tokens": 10,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -221,9 +270,17 @@ def test_chat_non_stream_and_stream(client: openai.OpenAI, http: httpx.Client, t
 
 
 def test_chat_max_completion_tokens_n2_logprobs(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5,
-                                       temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=5,
+        temperature=0.8,
+        seed=7,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == 10
     for c in r.choices:
@@ -239,13 +296,22 @@ def test_chat_max_completion_tokens_n2_logprobs(client: openai.OpenAI) -> None:
 
 def test_256_concurrent_streams(client: openai.OpenAI, server: RemoteServer) -> None:
     prompts = [PROMPT, "Once upon a time", "The best way to learn is", "def fibonacci(n):"]
-    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
-                for p in prompts]  # fmt: skip
+    expected = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
 
     async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
-        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=8,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})  # fmt: skip
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompts[i % 4],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, finish, tokens = "", None, 0
         async for chunk in stream:
             if chunk.choices:
@@ -258,8 +324,9 @@ def test_256_concurrent_streams(client: openai.OpenAI, server: RemoteServer) -> 
     async def main() -> list[tuple[str, str | None, int]]:
         limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
         async with httpx.AsyncClient(limits=limits, timeout=600) as h:
-            aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", http_client=h,
-                                         max_retries=0)  # fmt: skip
+            aclient = openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1", api_key="x", http_client=h, max_retries=0
+            )
             return await asyncio.gather(*(one(aclient, i) for i in range(256)))
 
     results = asyncio.run(main())
@@ -279,9 +346,12 @@ def _wait_idle(http: httpx.Client, timeout: float = 120.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         text = _metrics(http)
-        idle = (metric(text, "inferd:num_requests_running") == 0
-                and metric(text, "inferd:num_requests_waiting") == 0
-                and metric(text, "inferd:num_free_kv_blocks") == metric(text, "inferd:num_total_kv_blocks"))  # fmt: skip
+        idle = (
+            metric(text, "inferd:num_requests_running") == 0
+            and metric(text, "inferd:num_requests_waiting") == 0
+            and metric(text, "inferd:num_free_kv_blocks")
+            == metric(text, "inferd:num_total_kv_blocks")
+        )
         if idle or time.monotonic() > deadline:
             return text
         time.sleep(0.05)
@@ -291,18 +361,25 @@ def test_cancelled_stream_frees_blocks(server: RemoteServer, http: httpx.Client)
     before = _wait_idle(http)
     aborts = metric(before, "inferd:request_success_total", finished_reason="abort")
     total = metric(before, "inferd:num_total_kv_blocks")
-    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=300) as own:
-        with own.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            got = 0
-            for line in lines:
-                got += line.startswith("data: ")
-                if got == 3:
-                    break
-            during = _metrics(http)
-            assert metric(during, "inferd:num_requests_running") == 1
-            assert metric(during, "inferd:num_free_kv_blocks") < total
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=300) as own,
+        own.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+        during = _metrics(http)
+        assert metric(during, "inferd:num_requests_running") == 1
+        assert metric(during, "inferd:num_free_kv_blocks") < total
         # Leaving the block closes the connection mid-stream: the server must abort the request.
     after = _wait_idle(http)
     assert metric(after, "inferd:num_requests_running") == 0
@@ -311,13 +388,17 @@ def test_cancelled_stream_frees_blocks(server: RemoteServer, http: httpx.Client)
     assert metric(after, "inferd:request_success_total", finished_reason="abort") == aborts + 1
 
 
-def test_disconnected_non_stream_request_is_aborted(server: RemoteServer, http: httpx.Client) -> None:
+def test_disconnected_non_stream_request_is_aborted(
+    server: RemoteServer, http: httpx.Client
+) -> None:
     before = _wait_idle(http)
     aborts = metric(before, "inferd:request_success_total", finished_reason="abort")
     body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(300, read=1.0)) as own:
-        with pytest.raises(httpx.ReadTimeout):
-            own.post("/v1/completions", json=body)
+    with (
+        httpx.Client(base_url=server.url, timeout=httpx.Timeout(300, read=1.0)) as own,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        own.post("/v1/completions", json=body)
     after = _wait_idle(http)
     assert metric(after, "inferd:num_free_kv_blocks") == metric(after, "inferd:num_total_kv_blocks")
     assert metric(after, "inferd:request_success_total", finished_reason="abort") == aborts + 1
@@ -325,14 +406,22 @@ def test_disconnected_non_stream_request_is_aborted(server: RemoteServer, http: 
 
 def test_metrics(http: httpx.Client, client: openai.OpenAI) -> None:
     before = _wait_idle(http)
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = _metrics(http)
-    for name in ("inferd:time_to_first_token_seconds_count", "inferd:inter_token_latency_seconds_count",
-                 "inferd:e2e_request_latency_seconds_count", "inferd:request_queue_time_seconds_count",
-                 "inferd:num_requests_running", "inferd:num_requests_waiting",
-                 "inferd:kv_cache_usage_perc", "inferd:num_preemptions_total",
-                 "inferd:prefix_cache_queries_total", "inferd:prefix_cache_hits_total"):  # fmt: skip
+    for name in (
+        "inferd:time_to_first_token_seconds_count",
+        "inferd:inter_token_latency_seconds_count",
+        "inferd:e2e_request_latency_seconds_count",
+        "inferd:request_queue_time_seconds_count",
+        "inferd:num_requests_running",
+        "inferd:num_requests_waiting",
+        "inferd:kv_cache_usage_perc",
+        "inferd:num_preemptions_total",
+        "inferd:prefix_cache_queries_total",
+        "inferd:prefix_cache_hits_total",
+    ):
         metric(after, name, model_name=MODEL)
 
     def delta(name: str, **labels: str) -> float:
@@ -359,6 +448,8 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
@@ -377,22 +468,56 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3,
-                              "logprobs": True, "n": 200}, 400, "n"),  # fmt: skip
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 21}, 400, "top_logprobs"),  # fmt: skip
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),  # fmt: skip
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "top_logprobs": 3,
+            "logprobs": True,
+            "n": 200,
+        },
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        },
+        400,
+        "messages",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "nope"},
+        404,
+        "model",
+    ),
     ("/tokenize", {"prompt": "hi", "model": "nope"}, 404, "model"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), ERRORS,
-                         ids=[f"{i}-{e[0].rsplit('/', 1)[-1]}-{e[2]}" for i, e in enumerate(ERRORS)])  # fmt: skip
-def test_error_responses(http: httpx.Client, path: str, body: dict | bytes, status: int, param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    ERRORS,
+    ids=[f"{i}-{e[0].rsplit('/', 1)[-1]}-{e[2]}" for i, e in enumerate(ERRORS)],
+)
+def test_error_responses(
+    http: httpx.Client, path: str, body: dict | bytes, status: int, param: str | None
+) -> None:
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
     else:
@@ -411,6 +536,8 @@ def test_over_length_message_says_by_how_much(http: httpx.Client, tokenizer) -> 
 def test_unknown_route_and_method_are_openai_errors(http: httpx.Client) -> None:
     assert_error(http.get("/v1/nothing-here"), 404)
     assert_error(http.get("/v1/completions"), 405)
+    err = assert_error(http.post("/v1/completions", data={"prompt": "hi"}), 400)  # a form, not JSON
+    assert "JSON object" in err["message"]
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:

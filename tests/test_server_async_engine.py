@@ -26,8 +26,11 @@ from inferd.server.app import build_app
 from tests.real_model import loaded_default
 from tests.test_server_utils import assert_error, free_port
 
-CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=64 << 20),
-                      scheduler=SchedulerConfig(max_model_len=512), log_stats_interval=0)  # fmt: skip
+CONFIG = EngineConfig(
+    cache=CacheConfig(kv_cache_memory=64 << 20),
+    scheduler=SchedulerConfig(max_model_len=512),
+    log_stats_interval=0,
+)
 
 
 class FlakyEngine(EngineCore):
@@ -71,11 +74,14 @@ def test_generate_refuse_abort_and_no_leaks() -> None:
             text, updates = await collect(engine, "a", "Hello, my name is", greedy())
             final = updates[-1].output
             assert final is not None and final.outputs[0].text == text
-            assert final.outputs[0].finish_reason == "length" and len(final.outputs[0].token_ids) == 6
+            assert (
+                final.outputs[0].finish_reason == "length" and len(final.outputs[0].token_ids) == 6
+            )
             # Several at once, and a refusal in the middle does not disturb them.
             jobs = [collect(engine, f"c{i}", "Once upon a time", greedy()) for i in range(4)]
-            results = await asyncio.gather(*jobs, engine.add_request("bad", [], greedy()),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *jobs, engine.add_request("bad", [], greedy()), return_exceptions=True
+            )
             assert isinstance(results[-1], RequestError)
             assert len({r[0] for r in results[:-1]}) == 1
             with pytest.raises(RequestError, match="out of range"):
@@ -126,8 +132,9 @@ class ThreadedServer:
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))  # fmt: skip
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -194,6 +201,8 @@ def test_step_failure_is_a_readable_error_and_server_survives(gated) -> None:
         error = json.loads(events[-2])["error"]
         assert "engine step failed" in error["message"] and error["type"] == "server_error"
         # And the server goes on serving.
-        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                    "max_tokens": 3})  # fmt: skip
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -29,9 +28,18 @@ EVIL_TEMPLATE = (
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     template = tmp_path_factory.mktemp("tpl") / "evil.jinja"
     template.write_text(EVIL_TEMPLATE)
-    srv = RemoteServer(*SMALL_ENGINE, "--max-num-seqs", "1", "--max-queue-len", "1",
-                       "--max-request-bytes", str(MAX_BYTES), "--chat-template", str(template),
-                       env={"INFERD_API_KEY": KEY})  # fmt: skip
+    srv = RemoteServer(
+        *SMALL_ENGINE,
+        "--max-num-seqs",
+        "1",
+        "--max-queue-len",
+        "1",
+        "--max-request-bytes",
+        str(MAX_BYTES),
+        "--chat-template",
+        str(template),
+        env={"INFERD_API_KEY": KEY},
+    )
     yield srv
     srv.close()
 
@@ -53,7 +61,9 @@ def test_api_key(server: RemoteServer, http: httpx.Client) -> None:
     body = {"prompt": "hi", "max_tokens": 2}
     err = assert_error(http.post("/v1/completions", json=body), 401)
     assert err["type"] == "authentication_error"
-    assert_error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+    )
     assert_error(http.get("/v1/models", headers={"Authorization": KEY}), 401)  # no "Bearer "
     assert_error(http.post("/tokenize", json={"prompt": "hi"}), 401)
     # Probes and scrapers stay open.
@@ -69,8 +79,12 @@ def test_api_key(server: RemoteServer, http: httpx.Client) -> None:
 
 def test_body_too_large_is_refused_before_parsing(server: RemoteServer, http: httpx.Client) -> None:
     big = b'{"prompt": "' + b"x" * MAX_BYTES + b'"}'
-    err = assert_error(http.post("/v1/completions", content=big,
-                                 headers={**AUTH, "content-type": "application/json"}), 413)  # fmt: skip
+    err = assert_error(
+        http.post(
+            "/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"}
+        ),
+        413,
+    )
     assert str(MAX_BYTES) in err["message"]
     # Not valid JSON either: a 413 (not a 400) shows the body was never parsed.
     junk = b"{" * (MAX_BYTES + 1)
@@ -86,32 +100,48 @@ def test_body_too_large_is_refused_before_parsing(server: RemoteServer, http: ht
 
 
 def test_chat_template_escape_is_refused(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", headers=AUTH,
-                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
+    r = http.post(
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     err = assert_error(r, 400, "messages")
     assert "sandbox" in err["message"]
     assert "<class" not in err["message"] and "uid=" not in err["message"]
 
 
 def test_queue_full_is_503(server: RemoteServer, http: httpx.Client) -> None:
-    long = {"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as a_client, \
-            httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as b_client:  # fmt: skip
-        with a_client.stream("POST", "/v1/completions", json=long) as a:
-            assert a.status_code == 200
-            next(line for line in a.iter_lines() if line.startswith("data: "))  # A is running
-            # max-num-seqs 1: B is accepted (headers come back) but must wait behind A.
-            with b_client.stream("POST", "/v1/completions", json=long) as b:
-                assert b.status_code == 200
-                assert metric(http.get("/metrics").text, "inferd:num_requests_waiting") == 1
-                err = assert_error(http.post("/v1/completions", headers=AUTH,
-                                             json={"prompt": "hi", "max_tokens": 2}), 503)  # fmt: skip
-                assert err["code"] == "queue_full" and "--max-queue-len" in err["message"]
+    long = {
+        "prompt": "Count to a thousand:",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as a_client,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as b_client,
+        a_client.stream("POST", "/v1/completions", json=long) as a,
+    ):
+        assert a.status_code == 200
+        next(line for line in a.iter_lines() if line.startswith("data: "))  # A is running
+        # max-num-seqs 1: B is accepted (headers come back) but must wait behind A.
+        with b_client.stream("POST", "/v1/completions", json=long) as b:
+            assert b.status_code == 200
+            assert metric(http.get("/metrics").text, "inferd:num_requests_waiting") == 1
+            third = http.post(
+                "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2}
+            )
+            err = assert_error(third, 503)
+            assert err["code"] == "queue_full" and "--max-queue-len" in err["message"]
     # Both streams were abandoned: once the server has noticed, the engine is free again.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         text = http.get("/metrics").text
-        if metric(text, "inferd:num_requests_running") == metric(text, "inferd:num_requests_waiting") == 0:
+        if (
+            metric(text, "inferd:num_requests_running")
+            == metric(text, "inferd:num_requests_waiting")
+            == 0
+        ):
             break
         time.sleep(0.05)
     ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH)

@@ -17,7 +17,14 @@ from pathlib import Path
 import httpx
 
 # Small KV pool and context: the tests never need more, and two servers may run at once.
-SMALL_ENGINE = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--log-stats-interval", "0"]
+SMALL_ENGINE = [
+    "--kv-cache-memory",
+    "256MiB",
+    "--max-model-len",
+    "1024",
+    "--log-stats-interval",
+    "0",
+]
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -30,13 +37,18 @@ def free_port() -> int:
 class RemoteServer:
     """`python -m inferd.cli serve ARGS` on 127.0.0.1; waits for /health to say 200."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="inferd-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 — open for the server's lifetime
+            "w+", prefix="inferd-serve-", suffix=".log", delete=False
+        )
         cmd = [sys.executable, "-m", "inferd.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.health_statuses: list[int] = []
         try:
             self._wait_healthy(timeout)

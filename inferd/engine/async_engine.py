@@ -317,7 +317,9 @@ class AsyncEngine:
             self._num_unscheduled -= 1
 
     # ---- delivery (asyncio loop) ----------------------------------------------------------
-    def _deliver(self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport | None) -> None:
+    def _deliver(
+        self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport | None
+    ) -> None:
         for rid in scheduled:
             stream = self._streams.get(rid)
             if stream is not None:
@@ -358,7 +360,7 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
             self._stats = dataclasses.replace(self.engine.get_stats())
-        except BaseException as e:  # noqa: BLE001 — reported through /health and every request
+        except BaseException as e:
             logger.exception("engine failed to load")
             self.load_error = e
             self._ready.set()
@@ -367,7 +369,9 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cv:
-                while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                while (
+                    not self._inbox and not self._stopping and not engine.has_unfinished_requests()
+                ):
                     self._cv.wait()  # idle: sleep until a command arrives
                 if self._stopping:
                     break
@@ -401,7 +405,7 @@ class AsyncEngine:
         if isinstance(cmd, _Call):
             try:
                 replies.append((cmd.done, cmd.fn(engine), None))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 — the caller's error, raised on its side
                 replies.append((cmd.done, None, e))
             return
         if isinstance(cmd, _Abort):
@@ -412,11 +416,15 @@ class AsyncEngine:
             partial = engine.request_output(cmd.request_id)
             engine.abort_request(cmd.request_id)
             if track is not None:
-                report.finished.append(self._finished_record(track, partial, time.monotonic(), "abort"))
+                report.finished.append(
+                    self._finished_record(track, partial, time.monotonic(), "abort")
+                )
             return
         try:
-            engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time)
-        except Exception as e:  # RequestError and anything else: the request's error, not ours
+            engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time
+            )
+        except Exception as e:  # noqa: BLE001 — RequestError or worse: the request's error, not ours
             replies.append((cmd.accepted, None, e))
             return
         self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
@@ -436,8 +444,12 @@ class AsyncEngine:
         except Exception as e:
             # The step's state is unknown: fail every in-flight request (each client gets an error
             # it can read), free their blocks, and keep serving new requests.
-            logger.exception("engine step failed; aborting %d in-flight requests", len(self._tracks))
-            self._fail_all(engine, EngineStepError(f"engine step failed: {type(e).__name__}: {e}"), updates)
+            logger.exception(
+                "engine step failed; aborting %d in-flight requests", len(self._tracks)
+            )
+            self._fail_all(
+                engine, EngineStepError(f"engine step failed: {type(e).__name__}: {e}"), updates
+            )
             return
         now = time.monotonic()
         for delta in deltas:
@@ -455,7 +467,9 @@ class AsyncEngine:
             track = self._tracks.get(rid)
             if track is None:
                 continue
-            self._time_tokens(track, update, now, report, len(engine.requests[rid].prompt_token_ids))
+            self._time_tokens(
+                track, update, now, report, len(engine.requests[rid].prompt_token_ids)
+            )
             if engine.requests[rid].finished:
                 update.output = engine.pop_finished(rid)
                 del self._tracks[rid]
@@ -469,7 +483,9 @@ class AsyncEngine:
         )
 
     @staticmethod
-    def _time_tokens(track: _Track, update: RequestUpdate, now: float, report: StepReport, num_prompt: int) -> None:
+    def _time_tokens(
+        track: _Track, update: RequestUpdate, now: float, report: StepReport, num_prompt: int
+    ) -> None:
         for delta in update.deltas:
             n = len(delta.new_token_ids)
             report.num_generation_tokens += n
@@ -488,10 +504,13 @@ class AsyncEngine:
     ) -> FinishedRequest:
         if reason is None:
             reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
-        return FinishedRequest(output, track.arrival_time, track.scheduled_time,
-                               track.first_token_time, now, reason)  # fmt: skip
+        return FinishedRequest(
+            output, track.arrival_time, track.scheduled_time, track.first_token_time, now, reason
+        )
 
-    def _fail_all(self, engine: EngineCore, error: Exception, updates: dict[str, RequestUpdate]) -> None:
+    def _fail_all(
+        self, engine: EngineCore, error: Exception, updates: dict[str, RequestUpdate]
+    ) -> None:
         now = time.monotonic()
         for rid in list(self._tracks):
             try:

@@ -65,7 +65,7 @@ def build_app(
         async def announce() -> None:
             try:
                 await engine.wait_ready()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 — a failed load is reported by /health
                 logger.error("%s", e)
                 return
             if on_ready is not None:
@@ -78,8 +78,12 @@ def build_app(
             task.cancel()
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    app = FastAPI(title="inferd", version=inferd.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible LLM serving")  # fmt: skip
+    app = FastAPI(
+        title="inferd",
+        version=inferd.__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible LLM serving",
+    )
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
@@ -101,9 +105,15 @@ def build_app(
     async def models() -> ModelList:
         state.ready_engine()
         source = engine.engine.source if engine.engine is not None else None
-        cards = [ModelCard(id=name, created=state.created, root=str(source) if source else None,
-                           max_model_len=state.max_model_len)
-                 for name in served_model_names]  # fmt: skip
+        cards = [
+            ModelCard(
+                id=name,
+                created=state.created,
+                root=str(source) if source else None,
+                max_model_len=state.max_model_len,
+            )
+            for name in served_model_names
+        ]
         return ModelList(data=cards)
 
     @app.get("/health", response_model=None)
@@ -136,7 +146,9 @@ def build_app(
         if req.messages is not None:
             ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
         else:
-            ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = state.tokenizer.encode(
+                req.prompt or "", add_special_tokens=req.add_special_tokens
+            )
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
@@ -146,8 +158,9 @@ def build_app(
         vocab = state.tokenizer.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range (vocab size {vocab})", param="tokens")
+            raise APIError(
+                400, f"token id {bad} is out of range (vocab size {vocab})", param="tokens"
+            )
         return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
 
     return app
-

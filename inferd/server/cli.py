@@ -17,17 +17,36 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the model argument)")  # fmt: skip
-    g.add_argument("--api-key", default=os.environ.get("INFERD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $INFERD_API_KEY)")  # fmt: skip
-    g.add_argument("--max-log-len", type=int, default=None,
-                   help="characters (or token ids) of each prompt to log")  # fmt: skip
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model argument)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("INFERD_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $INFERD_API_KEY)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="characters (or token ids) of each prompt to log",
+    )
     g.add_argument("--disable-log-requests", action="store_true")
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="requests allowed to wait for the engine before 503s (default: no limit)")  # fmt: skip
-    g.add_argument("--max-request-bytes", type=parse_bytes, default="10MiB",
-                   help="largest request body accepted (413 above it)")  # fmt: skip
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="requests allowed to wait for the engine before 503s (default: no limit)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default="10MiB",
+        help="largest request body accepted (413 above it)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
     return p
@@ -67,18 +86,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         e = async_engine.engine
         assert e is not None
         stats = async_engine.stats
-        logger.info("serving %s (%s) as %s: dtype %s on %s, max_model_len %d, KV cache %d blocks "
-                    "× %d tokens = %d tokens; API at %s/v1 (auth %s)", e.source, e.file_type,
-                    ", ".join(names), str(e.dtype).removeprefix("torch."), e.device, e.max_model_len,
-                    stats.num_total_blocks, config.cache.block_size,
-                    stats.num_total_blocks * config.cache.block_size, url,
-                    "on" if args.api_key else "off")  # fmt: skip
+        logger.info(
+            "serving %s (%s) as %s: dtype %s on %s, max_model_len %d, KV cache %d blocks "
+            "× %d tokens = %d tokens; API at %s/v1 (auth %s)",
+            e.source,
+            e.file_type,
+            ", ".join(names),
+            str(e.dtype).removeprefix("torch."),
+            e.device,
+            e.max_model_len,
+            stats.num_total_blocks,
+            config.cache.block_size,
+            stats.num_total_blocks * config.cache.block_size,
+            url,
+            "on" if args.api_key else "off",
+        )
 
     engine = AsyncEngine(build_engine, max_queue_len=args.max_queue_len)
-    app = build_app(engine, names, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                    max_log_len=args.max_log_len, log_requests=not args.disable_log_requests,
-                    on_ready=on_ready)  # fmt: skip
+    app = build_app(
+        engine,
+        names,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_log_len=args.max_log_len,
+        log_requests=not args.disable_log_requests,
+        on_ready=on_ready,
+    )
     logger.info("starting the server on %s; loading the model", url)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5)  # fmt: skip
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
+    )
     return 0

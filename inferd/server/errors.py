@@ -36,8 +36,15 @@ R = TypeVar("R")
 class APIError(Exception):
     """An error to answer with: status, message, and OpenAI's type/param/code fields."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -59,15 +66,29 @@ def error_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
-               type: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"error": {"message": message, "type": type or error_type(status), "param": param,
-                      "code": code}}  # fmt: skip
+def error_body(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    type: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type or error_type(status),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, param=err.param, code=err.code,
-                                   type=err.type), status_code=err.status)  # fmt: skip
+    return JSONResponse(
+        error_body(err.status, err.message, param=err.param, code=err.code, type=err.type),
+        status_code=err.status,
+    )
 
 
 def sse_error(err: APIError) -> str:
@@ -78,10 +99,27 @@ def sse_error(err: APIError) -> str:
 
 # Field names as SamplingParams says them → as the API calls them.
 _PARAM_NAMES = {
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "stop", "stop_token_ids",
-    "logit_bias", "prompt", "messages", "top_logprobs", "max_completion_tokens", "best_of",
-}  # fmt: skip
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "prompt",
+    "messages",
+    "top_logprobs",
+    "max_completion_tokens",
+    "best_of",
+}
 
 
 def to_api_error(
@@ -139,6 +177,8 @@ def api_errors(handler: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object (Content-Type: application/json)", None
     # pydantic reports each member of a union; the first field name is what the user wrote wrong.
     param = loc[0] if loc else None
     where = ".".join(loc)
@@ -150,7 +190,9 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
         ctx = next(e for e in errors if e.get("type") == "json_invalid").get("ctx") or {}
-        return error_response(APIError(400, f"malformed JSON body: {ctx.get('error', 'invalid JSON')}"))
+        return error_response(
+            APIError(400, f"malformed JSON body: {ctx.get('error', 'invalid JSON')}")
+        )
     if not errors:
         return error_response(APIError(400, "invalid request"))
     message, param = _validation_message(errors[0])

@@ -17,12 +17,74 @@ from inferd.engine.async_engine import StepReport
 from inferd.engine.stats import EngineStats
 
 # Buckets as vLLM chose them (seconds / tokens), so percentiles compare across the two.
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0]  # fmt: skip
-_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -46,12 +108,16 @@ class _EngineGauges(Collector):
 
         yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                    s.kv_cache_usage)  # fmt: skip
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full).",
+            s.kv_cache_usage,
+        )
         yield gauge("num_free_kv_blocks", "KV cache blocks free in the pool.", s.num_free_blocks)
         yield gauge("num_total_kv_blocks", "KV cache blocks in the pool.", s.num_total_blocks)
-        c = CounterMetricFamily("inferd:num_preemptions", "Preemptions since start.",
-                                labels=["model_name"])  # fmt: skip
+        c = CounterMetricFamily(
+            "inferd:num_preemptions", "Preemptions since start.", labels=["model_name"]
+        )
         c.add_metric(labels, s.num_preemptions_total)
         yield c
 
@@ -64,35 +130,80 @@ class ServerMetrics:
         self.model_name = model_name
         reg, lbl = self.registry, ["model_name"]
         self.registry.register(_EngineGauges(model_name, stats))
-        self.prompt_tokens = Counter("inferd:prompt_tokens", "Prefilled prompt tokens.", lbl, registry=reg)
-        self.generation_tokens = Counter("inferd:generation_tokens", "Generated tokens.", lbl, registry=reg)
-        self.request_success = Counter("inferd:request_success", "Finished requests by finish reason.",
-                                       ["model_name", "finished_reason"], registry=reg)  # fmt: skip
-        self.prefix_cache_queries = Counter("inferd:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.", lbl,
-                                            registry=reg)  # fmt: skip
-        self.prefix_cache_hits = Counter("inferd:prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.", lbl,
-                                         registry=reg)  # fmt: skip
-        self.ttft = Histogram("inferd:time_to_first_token_seconds", "Time to first token.", lbl,
-                              buckets=_TTFT_BUCKETS, registry=reg)  # fmt: skip
-        self.itl = Histogram("inferd:inter_token_latency_seconds", "Time between output tokens.", lbl,
-                             buckets=_ITL_BUCKETS, registry=reg)  # fmt: skip
-        self.e2e = Histogram("inferd:e2e_request_latency_seconds", "Arrival to finish.", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=reg)  # fmt: skip
-        self.queue_time = Histogram("inferd:request_queue_time_seconds",
-                                    "Arrival to first scheduled step.", lbl,
-                                    buckets=_LATENCY_BUCKETS, registry=reg)  # fmt: skip
-        self.request_prompt_tokens = Histogram("inferd:request_prompt_tokens",
-                                               "Prompt tokens per request.", lbl,
-                                               buckets=_TOKEN_BUCKETS, registry=reg)  # fmt: skip
-        self.request_generation_tokens = Histogram("inferd:request_generation_tokens",
-                                                   "Generated tokens per request.", lbl,
-                                                   buckets=_TOKEN_BUCKETS, registry=reg)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "inferd:prompt_tokens", "Prefilled prompt tokens.", lbl, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "inferd:generation_tokens", "Generated tokens.", lbl, registry=reg
+        )
+        self.request_success = Counter(
+            "inferd:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.prefix_cache_queries = Counter(
+            "inferd:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            lbl,
+            registry=reg,
+        )
+        self.prefix_cache_hits = Counter(
+            "inferd:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            lbl,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "inferd:time_to_first_token_seconds",
+            "Time to first token.",
+            lbl,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "inferd:inter_token_latency_seconds",
+            "Time between output tokens.",
+            lbl,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "inferd:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "inferd:request_queue_time_seconds",
+            "Arrival to first scheduled step.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.request_prompt_tokens = Histogram(
+            "inferd:request_prompt_tokens",
+            "Prompt tokens per request.",
+            lbl,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.request_generation_tokens = Histogram(
+            "inferd:request_generation_tokens",
+            "Generated tokens per request.",
+            lbl,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        )
         for reason in ("stop", "length", "abort"):  # present (at 0) from the first scrape
             self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
-                       self.prefix_cache_hits):  # fmt: skip
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+        ):
             metric.labels(model_name)
 
     def on_step(self, report: StepReport) -> None:
@@ -113,7 +224,9 @@ class ServerMetrics:
             self.e2e.labels(m).observe(done.finished_time - done.arrival_time)
             out = done.output
             self.request_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
-            self.request_generation_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
+            self.request_generation_tokens.labels(m).observe(
+                sum(len(o.token_ids) for o in out.outputs)
+            )
             self.prefix_cache_queries.labels(m).inc(len(out.prompt_token_ids))
             if out.metrics is not None and out.metrics.num_cached_tokens:
                 self.prefix_cache_hits.labels(m).inc(out.metrics.num_cached_tokens)

@@ -9,24 +9,36 @@ from __future__ import annotations
 
 import hmac
 import json
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferd.server.errors import error_body
 
 # Paths anyone may call even when --api-key is set: probes, scrapers and the API description.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/redoc", "/openapi.json",
-                        "/docs/oauth2-redirect"})  # fmt: skip
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/version", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+)
 
 
-async def _send_error(send: Send, status: int, message: str, code: str,
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:  # fmt: skip
+async def _send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()), *(headers or [])],
-    })  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -45,8 +57,9 @@ class APIKeyMiddleware:
         # Constant-time comparison: the key must not leak through response timing.
         if not hmac.compare_digest(given, self.expected):
             message = "missing API key" if not given else "incorrect API key provided"
-            await _send_error(send, 401, message, "invalid_api_key",
-                              [(b"www-authenticate", b"Bearer")])  # fmt: skip
+            await _send_error(
+                send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]
+            )
             return
         await self.app(scope, receive, send)
 
@@ -91,7 +104,9 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        replay: list[Message] = [
+            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        ]
 
         async def replayed() -> Message:
             # The body once, then the real channel (the app listens on it for client disconnects).
@@ -101,6 +116,9 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, send: Send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else "over the limit"
-        await _send_error(send, 413, f"request body is {size}; the limit is {self.max_bytes} bytes "
-                          "(--max-request-bytes)", "request_too_large")  # fmt: skip
-
+        await _send_error(
+            send,
+            413,
+            f"request body is {size}; the limit is {self.max_bytes} bytes (--max-request-bytes)",
+            "request_too_large",
+        )

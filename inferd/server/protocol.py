@@ -22,8 +22,10 @@ def now_s() -> int:
 
 
 class _Request(BaseModel):
-    # NaN/Infinity are valid in Python's JSON but poison sampling: refuse them at the door.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: "stream": "yes" or "max_tokens": "16" is a client bug to report, not to guess at
+    # (JSON integers still pass for float fields). NaN/Infinity are valid in Python's JSON but
+    # poison sampling: refuse them at the door.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -122,8 +124,11 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionLogprobs(BaseModel):

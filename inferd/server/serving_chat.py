@@ -56,14 +56,24 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         else:
             texts = []
             for part in m.content:
+                if isinstance(part, OtherPart) and part.type == "text":
+                    raise APIError(
+                        400, f"messages[{i}]: a text content part needs `text`", param="messages"
+                    )
                 if isinstance(part, OtherPart):
-                    what = "a text part without `text`" if part.type == "text" else f"`{part.type}`"
-                    raise APIError(400, f"messages[{i}]: content part {what} is not supported "
-                                   "(this model takes text only)", param="messages")  # fmt: skip
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: content parts of type `{part.type}` are "
+                        "not supported (this model takes text only)",
+                        param="messages",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         # "developer" is OpenAI's newer name for "system"; templates only know the latter.
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        d: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(m, key)
             if value is not None:
@@ -72,14 +82,23 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None,
-                extra: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+def render_chat(
+    state: ServerState,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> list[int]:
     """The prompt's token ids; a template that fails or escapes the sandbox is a 400."""
     tok = state.tokenizer
     try:
-        text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt,
-                                       tools=tools, **(extra or {}))  # fmt: skip
+        text = tok.apply_chat_template(
+            message_dicts(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **(extra or {}),
+        )
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
@@ -89,52 +108,88 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} is not supported yet", param="response_format")
+        raise APIError(
+            400, f"response_format {fmt!r} is not supported yet", param="response_format"
+        )
     choice = req.tool_choice
     if choice is not None and choice not in ("none", "auto"):
-        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported yet",
-                       param="tool_choice")  # fmt: skip
+        raise APIError(
+            400, "tool_choice other than 'none' or 'auto' is not supported yet", param="tool_choice"
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 
 
-def _logprob_entries(token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> list[ChatTokenLogprob]:
+def _logprob_entries(
+    token_ids: list[int], entries: list[dict[int, Logprob]], top: int
+) -> list[ChatTokenLogprob]:
     out = []
     for tid, entry in zip(token_ids, entries):
         chosen = entry[tid]
         best = sorted((e for e in entry.values() if e.rank <= top), key=lambda e: e.rank)[:top]
-        out.append(ChatTokenLogprob(
-            token=chosen.decoded_token or "", logprob=chosen.logprob,
-            bytes=list((chosen.decoded_token or "").encode()),
-            top_logprobs=[TopLogprob(token=e.decoded_token or "", logprob=e.logprob,
-                                     bytes=list((e.decoded_token or "").encode())) for e in best],
-        ))  # fmt: skip
+        out.append(
+            ChatTokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                bytes=list((chosen.decoded_token or "").encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=e.decoded_token or "",
+                        logprob=e.logprob,
+                        bytes=list((e.decoded_token or "").encode()),
+                    )
+                    for e in best
+                ],
+            )
+        )
     return out
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, raw: Request
+) -> Any:
     model = state.check_model(req.model)
     _check_unsupported(req)
-    ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt,
-                      tools=req.tools if req.tool_choice != "none" else None,
-                      extra=req.chat_template_kwargs)  # fmt: skip
+    ids = render_chat(
+        state,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        tools=req.tools if req.tool_choice != "none" else None,
+        extra=req.chat_template_kwargs,
+    )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_length(len(ids), wanted, state.max_model_len, "messages")
     top = req.top_logprobs or 0
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
-                             aliases=_CHAT_ALIASES)  # fmt: skip
+    params = sampling_params(
+        req, max_tokens=max_tokens, logprobs=top if req.logprobs else None, aliases=_CHAT_ALIASES
+    )
     request_id = random_id("chatcmpl")
     created = now_s()
-    streams = await add_requests(state, request_id, [ids], params, req.priority,
-                                 [state.tokenizer.decode(ids, skip_special_tokens=False)])
+    streams = await add_requests(
+        state,
+        request_id,
+        [ids],
+        params,
+        req.priority,
+        [state.tokenizer.decode(ids, skip_special_tokens=False)],
+    )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(request_id, created, model, req.n, streams[0], len(ids), include_usage,
-                       top if req.logprobs else None)  # fmt: skip
+        body = _stream(
+            request_id,
+            created,
+            model,
+            req.n,
+            streams[0],
+            len(ids),
+            include_usage,
+            top if req.logprobs else None,
+        )
         return EngineStreamingResponse(stream_with_errors(body), streams)
     output = await until_disconnected(raw, _collect(streams[0]))
-    return JSONResponse(_response(request_id, created, model, output,
-                                  top if req.logprobs else None).model_dump())  # fmt: skip
+    return JSONResponse(
+        _response(request_id, created, model, output, top if req.logprobs else None).model_dump()
+    )
 
 
 async def _collect(stream: RequestStream) -> RequestOutput:
@@ -144,19 +199,31 @@ async def _collect(stream: RequestStream) -> RequestOutput:
     raise RuntimeError("request stream ended without an output")
 
 
-def _response(request_id: str, created: int, model: str, out: RequestOutput,
-              top: int | None) -> ChatCompletionResponse:  # fmt: skip
+def _response(
+    request_id: str, created: int, model: str, out: RequestOutput, top: int | None
+) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         logprobs = None
         if top is not None and o.logprobs is not None:
             logprobs = ChatLogprobs(content=_logprob_entries(o.token_ids, o.logprobs, top))
-        choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                                  logprobs=logprobs, finish_reason=o.finish_reason,
-                                  stop_reason=o.stop_reason))  # fmt: skip
+        choices.append(
+            ChatChoice(
+                index=o.index,
+                message=ChatResponseMessage(content=o.text),
+                logprobs=logprobs,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+        )
     completion = sum(len(o.token_ids) for o in out.outputs)
-    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=UsageInfo.of(len(out.prompt_token_ids), completion))  # fmt: skip
+    return ChatCompletionResponse(
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=UsageInfo.of(len(out.prompt_token_ids), completion),
+    )
 
 
 async def _stream(
@@ -169,13 +236,22 @@ async def _stream(
     include_usage: bool,
     top: int | None,
 ) -> AsyncIterator[str]:
-    base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model}  # fmt: skip
+    base: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+    }
     if include_usage:
         base["usage"] = None
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
-              stop_reason: int | str | None = None) -> str:  # fmt: skip
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any = None,
+        finish: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
@@ -190,8 +266,12 @@ async def _stream(
             num_completion += len(d.new_token_ids)
             logprobs = None
             if top is not None and d.new_logprobs:
-                logprobs = {"content": [e.model_dump() for e in
-                                        _logprob_entries(d.new_token_ids, d.new_logprobs, top)]}  # fmt: skip
+                logprobs = {
+                    "content": [
+                        e.model_dump()
+                        for e in _logprob_entries(d.new_token_ids, d.new_logprobs, top)
+                    ]
+                }
             if not d.text_delta and d.finish_reason is None and logprobs is None:
                 continue  # text held back (a possible stop string, a partial UTF-8 character)
             delta = {"content": d.text_delta} if d.text_delta or logprobs else {}

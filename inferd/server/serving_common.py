@@ -47,16 +47,21 @@ class ServerState:
         """The name to answer with; 404 for a model this server does not serve."""
         if model is None or model in self.served_model_names:
             return model or self.model_name
-        raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                       f"{', '.join(repr(n) for n in self.served_model_names)}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"the model `{model}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in self.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or 503 while the model loads (or after it failed)."""
         if not self.engine.ready:
             if self.engine.load_error is not None:
-                raise APIError(503, f"the model failed to load: {self.engine.load_error}",
-                               code="engine_dead")  # fmt: skip
+                raise APIError(
+                    503, f"the model failed to load: {self.engine.load_error}", code="engine_dead"
+                )
             raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
         return self.engine
 
@@ -87,20 +92,29 @@ def check_length(
     """The max_tokens to run with; a 400 naming how many tokens over the context it would go."""
     if num_prompt_tokens >= max_model_len:
         over = num_prompt_tokens - max_model_len + 1
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, your prompt is {num_prompt_tokens} tokens, {over} tokens over "
-                       "the limit (at least one token must be generated). Please reduce the "
-                       "length of the prompt.", param=prompt_param, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, your prompt is {num_prompt_tokens} tokens, {over} tokens over "
+            "the limit (at least one token must be generated). Please reduce the "
+            "length of the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
         return room
     if max_tokens > room:
         total = num_prompt_tokens + max_tokens
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, you requested {total} tokens ({num_prompt_tokens} in the prompt, "
-                       f"{max_tokens} in the completion), {total - max_model_len} tokens over the "
-                       "limit. Please reduce the length of the prompt or the completion.",
-                       param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {total} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion), {total - max_model_len} tokens over the "
+            "limit. Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -123,8 +137,9 @@ def sampling_params(
         try:
             logit_bias = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
-                           param="logit_bias") from None  # fmt: skip
+            raise APIError(
+                400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+            ) from None
     try:
         return SamplingParams(
             n=req.n,
@@ -196,7 +211,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         try:
             async for update in stream:
                 queue.put_nowait((i, update))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — re-raised by the consumer below
             queue.put_nowait((i, e))
             return
         queue.put_nowait((i, None))
@@ -275,6 +290,6 @@ async def stream_with_errors(body: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in body:
             yield event
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 — the status is sent; the client reads this event
         yield sse_error(to_api_error(e, user_input=False))
     yield SSE_DONE

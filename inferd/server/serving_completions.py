@@ -69,8 +69,12 @@ def _logprobs(
         text = chosen.decoded_token or ""
         lp.tokens.append(text)
         lp.token_logprobs.append(chosen.logprob)
-        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob
-                                for e in sorted(entry.values(), key=lambda e: e.rank)})  # fmt: skip
+        lp.top_logprobs.append(
+            {
+                (e.decoded_token or ""): e.logprob
+                for e in sorted(entry.values(), key=lambda e: e.rank)
+            }
+        )
         lp.text_offset.append(offset)
         offset += len(text)
     return lp
@@ -83,8 +87,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
     if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet",
-                       param="echo")  # fmt: skip
+        raise APIError(
+            400,
+            "echo with logprobs needs prompt logprobs, which are not supported yet",
+            param="echo",
+        )
     prompts = _prompts(state, req)
     max_len = state.max_model_len
     max_tokens = min(check_length(len(ids), req.max_tokens, max_len) for ids in prompts)
@@ -96,8 +103,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(request_id, created, model, req.n, streams, prompts, echoes, include_usage,
-                       req.logprobs is not None)  # fmt: skip
+        body = _stream(
+            request_id,
+            created,
+            model,
+            req.n,
+            streams,
+            prompts,
+            echoes,
+            include_usage,
+            req.logprobs is not None,
+        )
         return EngineStreamingResponse(stream_with_errors(body), streams)
     outputs = await until_disconnected(raw, _collect(streams))
     return JSONResponse(_response(request_id, created, model, req.n, outputs, echoes).model_dump())
@@ -113,7 +129,12 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
 
 def _response(
-    request_id: str, created: int, model: str, n: int, outputs: list[RequestOutput], echoes: list[str]
+    request_id: str,
+    created: int,
+    model: str,
+    n: int,
+    outputs: list[RequestOutput],
+    echoes: list[str],
 ) -> CompletionResponse:
     choices: list[CompletionChoice] = []
     num_prompt = num_completion = 0
@@ -124,12 +145,23 @@ def _response(
             logprobs = None
             if o.logprobs is not None:
                 logprobs = _logprobs(o.token_ids, o.logprobs, len(echoes[p]))
-            choices.append(CompletionChoice(index=p * n + o.index, text=echoes[p] + o.text,
-                                            logprobs=logprobs, finish_reason=o.finish_reason,
-                                            stop_reason=o.stop_reason))  # fmt: skip
+            choices.append(
+                CompletionChoice(
+                    index=p * n + o.index,
+                    text=echoes[p] + o.text,
+                    logprobs=logprobs,
+                    finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                )
+            )
     choices.sort(key=lambda c: c.index)
-    return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                              usage=UsageInfo.of(num_prompt, num_completion))  # fmt: skip
+    return CompletionResponse(
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=UsageInfo.of(num_prompt, num_completion),
+    )
 
 
 async def _stream(
@@ -143,8 +175,12 @@ async def _stream(
     include_usage: bool,
     want_logprobs: bool,
 ) -> AsyncIterator[str]:
-    base: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                            "model": model}  # fmt: skip
+    base: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+    }
     if include_usage:
         base["usage"] = None  # OpenAI: every chunk has the field, null but on the last one
     offsets: dict[int, int] = {}  # choice index → characters streamed so far (echo included)
@@ -160,7 +196,12 @@ async def _stream(
 
 
 def _chunks(
-    p: int, n: int, update: RequestUpdate, echoes: list[str], offsets: dict[int, int], want_logprobs: bool
+    p: int,
+    n: int,
+    update: RequestUpdate,
+    echoes: list[str],
+    offsets: dict[int, int],
+    want_logprobs: bool,
 ) -> list[dict[str, Any]]:
     chunks = []
     for d in update.deltas:
@@ -176,6 +217,13 @@ def _chunks(
         if has_logprobs:
             logprobs = _logprobs(d.new_token_ids, d.new_logprobs, offsets[index]).model_dump()
         offsets[index] += len(d.text_delta)
-        chunks.append({"index": index, "text": text, "logprobs": logprobs,
-                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})  # fmt: skip
+        chunks.append(
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+        )
     return chunks
