@@ -92,8 +92,8 @@ def test_generate_refuse_abort_and_no_leaks() -> None:
             gen = engine.generate("long-run", "Count:", greedy(400, ignore_eos=True))
             await gen.__anext__()
             await gen.aclose()
-            free = await engine.call(lambda e: (e.kv.pool.num_free, e.kv.pool.num_blocks))
-            assert free[0] == free[1]
+            usage = await engine.call(lambda e: e.kv.pool.usage())
+            assert usage == 0  # no block held by a request (the prefix cache may keep some)
             await engine.call(lambda e: e.check_no_leaks())
             assert engine.num_waiting == 0
         finally:
