@@ -1,0 +1,306 @@
+// Fused dequantise-dot kernels for block-quantized weights on x86 CPUs with AVX2/FMA/F16C.
+//
+// y[M, N] = x[M, K] (fp32) · W[N, K]^T where W is stored in 32-weight blocks along K:
+//   q8:  int8  [N, K]      w = q * scale[n, g]
+//   q4:  uint8 [N, K / 2]  w = q * scale[n, g] + min[n, g]; in each block of 32 the 16 bytes hold
+//        weights 0..15 in their low nibbles and 16..31 in their high nibbles (GGUF Q4_0/Q4_1).
+//   fp8: uint8 [N, K]      E4M3 (float8_e4m3fn bits), w = e4m3(q) * scale[n] (group = K)
+// A group (one scale/min) spans `group` weights, a multiple of 32; group == K is per-channel.
+// Scales and mins are fp32 or fp16 (GGUF keeps fp16 ones; we keep them as shipped).
+//
+// Two paths, both threaded over output rows with at::parallel_for:
+// - M <= 4 (decode): each 32-weight block is dequantised into 4 registers once and used for all
+//   M input rows: the weight bytes are read once per call, which is what decode is bound by.
+// - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
+//   fp32 buffer (L2-resident), then a 4x3 register-blocked fp32 micro-kernel runs every input row
+//   against it. The weight is dequantised once per call, never once per input row.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  s = _mm_add_ss(s, sh);
+  return _mm_cvtss_f32(s);
+}
+
+inline float load_scale(const float* p) { return *p; }
+inline float load_scale(const at::Half* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+// Each format knows how to turn block b of row n into 32 fp32 weights (w[0..3], 8 each).
+template <typename S>
+struct Q8 {
+  const int8_t* q;
+  const S* scale;
+  int64_t K, groups_per_row, blocks_per_group;
+  inline void load(int64_t n, int64_t b, __m256 w[4]) const {
+    const int8_t* p = q + n * K + b * 32;
+    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+    __m256 s = _mm256_set1_ps(load_scale(scale + n * groups_per_row + b / blocks_per_group));
+    w[0] = _mm256_mul_ps(i8x8_to_ps(lo), s);
+    w[1] = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), s);
+    w[2] = _mm256_mul_ps(i8x8_to_ps(hi), s);
+    w[3] = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), s);
+  }
+};
+
+template <typename S>
+struct Q4 {
+  const uint8_t* q;
+  const S* scale;
+  const S* mins;
+  int64_t K, groups_per_row, blocks_per_group;
+  inline void load(int64_t n, int64_t b, __m256 w[4]) const {
+    const uint8_t* p = q + n * (K / 2) + b * 16;
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    int64_t g = n * groups_per_row + b / blocks_per_group;
+    __m256 s = _mm256_set1_ps(load_scale(scale + g));
+    __m256 m = _mm256_set1_ps(load_scale(mins + g));
+    w[0] = _mm256_fmadd_ps(u8x8_to_ps(lo), s, m);
+    w[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), s, m);
+    w[2] = _mm256_fmadd_ps(u8x8_to_ps(hi), s, m);
+    w[3] = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), s, m);
+  }
+};
+
+// E4M3 → fp32 without a table: put the 7 magnitude bits where fp32's exponent/mantissa start
+// (exponent field = e, so the value is 2^(e-127)·1.m, or the subnormal m/8·2^-126 when e == 0)
+// and multiply by 2^120 to rebias 127 → 7. The per-row scale folds into that multiply.
+struct FP8 {
+  const uint8_t* q;
+  const float* scale;  // [N]
+  int64_t K;
+  static inline __m256 decode8(__m128i bytes, __m256 mul) {
+    __m256i v = _mm256_cvtepu8_epi32(bytes);
+    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 20);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)), mul);
+  }
+  inline void load(int64_t n, int64_t b, __m256 w[4]) const {
+    const uint8_t* p = q + n * K + b * 32;
+    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+    __m256 mul = _mm256_set1_ps(scale[n] * 0x1p120f);
+    w[0] = decode8(lo, mul);
+    w[1] = decode8(_mm_srli_si128(lo, 8), mul);
+    w[2] = decode8(hi, mul);
+    w[3] = decode8(_mm_srli_si128(hi, 8), mul);
+  }
+};
+
+// ---- M <= 4: dequantise each block once into registers, use it for every input row ----------
+template <int MR, typename D>
+void gemv_rows(const D& d, const float* x, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int A = MR == 1 ? 4 : 2;  // independent accumulator chains per input row
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[MR][A];
+    for (int i = 0; i < MR; ++i)
+      for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      d.load(n, b, w);
+      for (int i = 0; i < MR; ++i) {
+        const float* xp = x + i * K + b * 32;
+        for (int j = 0; j < 4; ++j)
+          acc[i][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xp + 8 * j), acc[i][j % A]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m256 s = acc[i][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[i][a]);
+      y[i * N + n] = hsum(s);
+    }
+  }
+}
+
+// ---- M > 4: strip of dequantised rows in a buffer, 4x3 register-blocked micro-kernel ---------
+constexpr int64_t kStrip = 24;  // output rows dequantised together (a multiple of NR = 3)
+
+template <int MR, int NR>
+void micro(const float* x, const float* w, float* y, int64_t K, int64_t N) {
+  // x: MR rows of length K; w: NR rows of length K (contiguous); y: y[i * N + j]
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = hsum(acc[i][j]);
+}
+
+template <int MR>
+void micro_n(int nr, const float* x, const float* w, float* y, int64_t K, int64_t N) {
+  switch (nr) {
+    case 3: micro<MR, 3>(x, w, y, K, N); break;
+    case 2: micro<MR, 2>(x, w, y, K, N); break;
+    default: micro<MR, 1>(x, w, y, K, N); break;
+  }
+}
+
+template <typename D>
+void gemm_strip(const D& d, const float* x, float* y, int64_t M, int64_t K, int64_t N,
+                int64_t n0, int64_t n1, float* buf) {
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* row = buf + (n - n0) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      d.load(n, b, w);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(row + b * 32 + 8 * j, w[j]);
+    }
+  }
+  for (int64_t m = 0; m < M; m += 4) {
+    const int mr = static_cast<int>(std::min<int64_t>(4, M - m));
+    for (int64_t n = n0; n < n1; n += 3) {
+      const int nr = static_cast<int>(std::min<int64_t>(3, n1 - n));
+      const float* xp = x + m * K;
+      const float* wp = buf + (n - n0) * K;
+      float* yp = y + m * N + n;
+      switch (mr) {
+        case 4: micro_n<4>(nr, xp, wp, yp, K, N); break;
+        case 3: micro_n<3>(nr, xp, wp, yp, K, N); break;
+        case 2: micro_n<2>(nr, xp, wp, yp, K, N); break;
+        default: micro_n<1>(nr, xp, wp, yp, K, N); break;
+      }
+    }
+  }
+}
+
+// The whole weight in fp32 [N, K]: for large M (prefill), where one dequantisation amortised over
+// many rows followed by the BLAS sgemm beats the register-blocked kernel.
+template <typename D>
+torch::Tensor dequant(const D& d, int64_t N, int64_t K) {
+  auto w = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 v[4];
+        d.load(n, b, v);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(wp + n * K + b * 32 + 8 * j, v[j]);
+      }
+  });
+  return w;
+}
+
+template <typename D>
+torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return dequant(d, N, K);  // an empty x asks for the dequantised weight
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M <= 4) {
+    // ~16 rows per task keeps the fork/join cost small next to the work.
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      switch (M) {
+        case 1: gemv_rows<1>(d, xp, yp, K, N, n0, n1); break;
+        case 2: gemv_rows<2>(d, xp, yp, K, N, n0, n1); break;
+        case 3: gemv_rows<3>(d, xp, yp, K, N, n0, n1); break;
+        default: gemv_rows<4>(d, xp, yp, K, N, n0, n1); break;
+      }
+    });
+  } else {
+    const int64_t strips = (N + kStrip - 1) / kStrip;
+    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+      std::vector<float> buf(kStrip * K);
+      for (int64_t s = s0; s < s1; ++s)
+        gemm_strip(d, xp, yp, M, K, N, s * kStrip, std::min(N, (s + 1) * kStrip), buf.data());
+    });
+  }
+  return y;
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "x must be a contiguous 2-D fp32 CPU tensor");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+void check_groups(const torch::Tensor& scale, int64_t N, int64_t K, int64_t group) {
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
+  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == N &&
+                  scale.size(1) == K / group,
+              "scales must be contiguous [N, K / group]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == torch::kFloat16,
+              "scales must be fp32 or fp16");
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
+  check_x(x);
+  const int64_t N = q.size(0), K = x.size(1);
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == K,
+              "q8 weight must be contiguous int8 [N, K]");
+  check_groups(scale, N, K, group);
+  if (scale.scalar_type() == torch::kFloat16)
+    return run(Q8<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, K / group,
+                            group / 32}, x, N);
+  return run(Q8<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, K / group, group / 32},
+             x, N);
+}
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor mins,
+                        int64_t group) {
+  check_x(x);
+  const int64_t N = q.size(0), K = x.size(1);
+  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous() && q.size(1) * 2 == K,
+              "q4 weight must be contiguous uint8 [N, K / 2]");
+  check_groups(scale, N, K, group);
+  TORCH_CHECK(mins.sizes() == scale.sizes() && mins.scalar_type() == scale.scalar_type() &&
+                  mins.is_contiguous(),
+              "mins must match scales");
+  if (scale.scalar_type() == torch::kFloat16)
+    return run(Q4<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                            mins.data_ptr<at::Half>(), K, K / group, group / 32}, x, N);
+  return run(Q4<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(), mins.data_ptr<float>(), K,
+                       K / group, group / 32}, x, N);
+}
+
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  check_x(x);
+  const int64_t N = q.size(0), K = x.size(1);
+  TORCH_CHECK(q.element_size() == 1 && q.is_contiguous() && q.size(1) == K,
+              "fp8 weight must be contiguous 1-byte [N, K]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+                  scale.numel() == N, "fp8 scales must be contiguous fp32 [N]");
+  return run(FP8{static_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(), K}, x, N);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_linear", &q8_linear, "x[M,K] · dequant(int8 blocks)^T");
+  m.def("q4_linear", &q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T");
+  // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
+  m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3, per-row scale)^T");
+}

@@ -1,0 +1,1 @@
+"""Weight quantization: formats, GGUF block mapping, the --quantization policy."""

@@ -1,0 +1,233 @@
+"""Quantized weight formats: how a [N, K] weight is stored, quantized from fp32, read from GGUF
+blocks, dequantized (the reference every kernel is tested against), and multiplied.
+
+Formats (blocks and groups run along K, the input dim, so a row permutation permutes rows of
+every tensor alike):
+- "int8": data int8 [N, K]; scales [N, K / group] (fp16 for GGUF Q8_0 with group 32, fp32 for
+  per-channel with group K); w = q * scale.
+- "int4": data uint8 [N, K / 2]; scales and mins [N, K / group] fp16; w = q * scale + min with q
+  in 0..15; each 32-weight block's 16 bytes hold weights 0..15 in the low nibbles and 16..31 in the
+  high ones — GGUF's Q4_0/Q4_1 byte order, so those load by copying (Q4_0: min = -8 * scale).
+- "fp8": data uint8 [N, K] holding float8_e4m3fn bits; scales fp32 [N, 1]; w = e4m3(q) * scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    format: str  # "int8" | "int4" | "fp8"
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    shape: tuple[int, int]  # the dequantized [N, K]
+    group: int  # weights per scale along K (a multiple of 32; K itself for per-channel)
+    source: str = ""  # e.g. "GGUF Q4_1": where the quantization came from
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"data": self.data, "scales": self.scales}
+        if self.mins is not None:
+            out["mins"] = self.mins
+        return out
+
+    def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
+        """The same weight with its rows reordered/selected by `index`."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        mins = None if self.mins is None else self.mins[index].contiguous()
+        return QuantizedWeight(self.format, self.data[index].contiguous(),
+                               self.scales[index].contiguous(), mins,
+                               (len(index), self.shape[1]), self.group, self.source)  # fmt: skip
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        return QuantizedWeight(self.format, self.data.to(device), self.scales.to(device), mins,
+                               self.shape, self.group, self.source)  # fmt: skip
+
+
+def bytes_of(w: torch.Tensor | QuantizedWeight) -> int:
+    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+
+# ---- dequantization (the reference) ----------------------------------------------------------
+def _expand(groups: torch.Tensor, group: int) -> torch.Tensor:
+    """[R, K / group] → [R, K], each value repeated over its group."""
+    return groups.float().repeat_interleave(group, dim=1)
+
+
+def unpack_int4(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K / 2] → uint8 [R, K] of values 0..15 in weight order."""
+    r = data.shape[0]
+    blocks = data.reshape(r, -1, 16)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(r, -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K] of 0..15 → [R, K / 2]; inverse of `unpack_int4`."""
+    r = q.shape[0]
+    blocks = q.reshape(r, -1, 32)
+    return (blocks[:, :, :16] | (blocks[:, :, 16:] << 4)).reshape(r, -1).contiguous()
+
+
+def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [len(rows) or N, K]; `rows` selects rows first (an embedding lookup)."""
+    data, scales, mins = w.data, w.scales, w.mins
+    if rows is not None:
+        data, scales = data[rows], scales[rows]
+        mins = None if mins is None else mins[rows]
+    if w.format == "int8":
+        return data.float() * _expand(scales, w.group)
+    if w.format == "int4":
+        return unpack_int4(data).float() * _expand(scales, w.group) + _expand(mins, w.group)
+    if w.format == "fp8":
+        return data.view(torch.float8_e4m3fn).float() * scales.float()
+    raise ValueError(f"unknown quantized format {w.format!r}")
+
+
+def dequantize(w: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    return dequantize_rows(w) if isinstance(w, QuantizedWeight) else w
+
+
+# ---- quantization from fp32 ------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Per-output-channel symmetric int8 (fp32 scale per row)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", q.contiguous(), scale.contiguous(), None, tuple(w.shape),
+                           w.shape[1], "per-channel int8")  # fmt: skip
+
+
+def quantize_int8_blocks(w: torch.Tensor) -> QuantizedWeight:
+    """Q8_0-like: symmetric int8 with an fp16 scale per 32 weights."""
+    w = w.float()
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    scale = (blocks.abs().amax(dim=2) / 127.0).half()
+    s = scale.float().clamp_min(1e-12).unsqueeze(2)
+    q = torch.round(blocks / s).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantizedWeight("int8", q, scale.contiguous(), None, (n, k), 32, "int8 blocks of 32")
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    """Group-wise asymmetric int4 (Q4_1-like): fp16 scale and min per `group` weights."""
+    w = w.float()
+    n, k = w.shape
+    if group % 32 or k % group:
+        raise ValueError(f"int4 group {group} must be a multiple of 32 dividing K={k}")
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).half()
+    mins = lo.half()
+    s = scale.float().clamp_min(1e-12).unsqueeze(2)
+    q = torch.round((g - mins.float().unsqueeze(2)) / s).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight("int4", pack_int4(q.reshape(n, k)), scale.contiguous(),
+                           mins.contiguous(), (n, k), group, f"int4 group {group}")  # fmt: skip
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
+    """float8_e4m3fn with an fp32 scale per output channel (max |w| maps to 448)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight("fp8", q.view(torch.uint8).contiguous(), scale.contiguous(), None,
+                           tuple(w.shape), w.shape[1], "fp8 e4m3 per-channel")  # fmt: skip
+
+
+def quantize(w: torch.Tensor, fmt: str, group: int = 32) -> QuantizedWeight:
+    if w.shape[1] % 32:
+        raise ValueError(f"cannot quantize a weight whose input dim {w.shape[1]} is not a "
+                         "multiple of 32")  # fmt: skip
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt == "int4":
+        return quantize_int4(w, group)
+    if fmt == "fp8":
+        return quantize_fp8(w)
+    raise ValueError(f"unknown quantized format {fmt!r}")
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one format and group along N (fused qkv, gate_up)."""
+    first = parts[0]
+    if any(p.format != first.format or p.group != first.group or p.shape[1] != first.shape[1]
+           or p.scales.dtype != first.scales.dtype for p in parts):  # fmt: skip
+        raise ValueError("cat_rows needs weights of one format, group and scale dtype")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    n = sum(p.shape[0] for p in parts)
+    return QuantizedWeight(first.format, torch.cat([p.data for p in parts]),
+                           torch.cat([p.scales for p in parts]), mins, (n, first.shape[1]),
+                           first.group, first.source)  # fmt: skip
+
+
+# ---- GGUF blocks -----------------------------------------------------------------------------
+# Bytes per 32-weight block and the layout of one block: fp16 d [, fp16 m], then the quants.
+GGUF_NATIVE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """GGUF Q8_0/Q4_0/Q4_1 bytes [N, K / 32 * block_bytes] → a QuantizedWeight, by copying bytes
+    (no fp32 detour): the scales and mins stay the file's fp16 values."""
+    n, k = shape
+    bb = GGUF_NATIVE[type_name]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, bb)
+    d = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].copy())
+    source = f"GGUF {type_name}"
+    if type_name == "Q8_0":
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k))
+        return QuantizedWeight("int8", q, d, None, (n, k), 32, source)
+    if type_name == "Q4_1":
+        m = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].copy())
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 4:]).reshape(n, k // 2))
+        return QuantizedWeight("int4", q, d, m, (n, k), 32, source)
+    # Q4_0: w = (q - 8) * d = q * d + (-8 d); -8 d is exact in fp16 (a power-of-two multiple).
+    q = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).reshape(n, k // 2))
+    return QuantizedWeight("int4", q, d, (d.float() * -8.0).half(), (n, k), 32, source)
+
+
+# ---- matmul ------------------------------------------------------------------------------------
+def _kernels():
+    from inferd.kernels.quant_gemm import extension
+
+    return extension()
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True) -> torch.Tensor:
+    """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernel for fp32 CPU input, else
+    (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch."""
+    if use_kernels and x.device.type == "cpu" and x.dtype == torch.float32:
+        ext = _kernels()
+        if ext is not None:
+            x2 = x.reshape(-1, w.shape[1])
+            if x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
+                # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
+                return F.linear(x, _kernel_call(ext, x2[:0], w))
+            y = _kernel_call(ext, x2.contiguous(), w)
+            return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, dequantize_rows(w).to(x.dtype))
+
+
+# Rows from which dequantise-once + BLAS sgemm beats the fused kernel (measured on AVX2 here).
+DEQUANT_GEMM_MIN_ROWS = 32
+
+
+def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The fused kernel on x2 [M, K]; with M == 0 it returns the dequantised weight [N, K]."""
+    if w.format == "int8":
+        return ext.q8_linear(x2, w.data, w.scales, w.group)
+    if w.format == "int4":
+        return ext.q4_linear(x2, w.data, w.scales, w.mins, w.group)
+    return ext.fp8_linear(x2, w.data, w.scales.view(-1))

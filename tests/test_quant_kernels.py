@@ -1,0 +1,114 @@
+"""Fused quantized CPU kernels against the dequantised reference, on awkward shapes; GGUF blocks
+map onto the kernel layouts bit-exactly; quantizers stay within their formats' error."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferd.kernels.quant_gemm import extension
+from inferd.quantization.formats import (
+    dequantize_rows,
+    from_gguf_blocks,
+    pack_int4,
+    quantize,
+    quantize_int8_blocks,
+    unpack_int4,
+)
+
+SHAPES = [(1, 32), (7, 96), (37, 608), (131, 1184)]  # (N, K): N odd, K not a multiple of 256
+ROWS = [1, 2, 3, 4, 17, 64]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = extension()
+    if e is None:
+        pytest.skip("quantized CPU kernels unavailable here (no compiler or no AVX2)")
+    return e
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[0, :5] = 0.7  # an outlier: groups with very different scales
+        yield w
+
+
+def _quantized():
+    for w in _weights():
+        n, k = w.shape
+        yield quantize(w, "int8")
+        yield quantize_int8_blocks(w)
+        yield quantize(w, "fp8")
+        for group in (32, 64, 128):
+            if k % group == 0:
+                yield quantize(w, "int4", group)
+
+
+def _call(ext, x, qw):
+    if qw.format == "int8":
+        return ext.q8_linear(x, qw.data, qw.scales, qw.group)
+    if qw.format == "int4":
+        return ext.q4_linear(x, qw.data, qw.scales, qw.mins, qw.group)
+    return ext.fp8_linear(x, qw.data, qw.scales.view(-1))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_kernels_match_dequantized_reference(ext, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    for qw in _quantized():
+        ref_w = dequantize_rows(qw)
+        x = torch.randn(m, qw.shape[1], generator=g)
+        want = F.linear(x, ref_w)
+        got = _call(ext, x, qw)  # M <= 4: register GEMV path; M > 4: strip GEMM path
+        tol = 1e-5 * (x.abs() @ ref_w.abs().T).max().item() + 1e-6
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= tol, (qw.source, qw.shape, m)
+        # An empty x returns the dequantised weight itself (the prefill path's first half).
+        assert torch.equal(_call(ext, x[:0], qw), ref_w), qw.source
+
+
+def test_quantized_matmul_dispatch_keeps_batch_dims(ext) -> None:
+    from inferd.quantization.formats import quantized_matmul
+
+    qw = quantize(torch.randn(37, 96), "int4", 32)
+    for shape in [(96,), (5, 96), (2, 40, 96)]:  # 40 rows: the dequantise-once + sgemm path
+        x = torch.randn(*shape)
+        want = F.linear(x, dequantize_rows(qw))
+        got = quantized_matmul(x, qw)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(quantized_matmul(x, qw, use_kernels=False), want)
+
+
+def test_int4_pack_round_trip() -> None:
+    q = torch.randint(0, 16, (5, 128), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_load_bit_exact(qtype: str) -> None:
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((13, 160)) * 0.1).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    want = gguf.quants.dequantize(raw, t).reshape(w.shape)
+    qw = from_gguf_blocks(raw, qtype, w.shape)
+    assert qw.format == ("int8" if qtype == "Q8_0" else "int4") and qw.group == 32
+    assert qw.scales.dtype == torch.float16  # the file's fp16 scales, kept as shipped
+    np.testing.assert_array_equal(dequantize_rows(qw).numpy(), want)
+    # Rows permute like the fp32 rows do (what the loader needs for llama.cpp's Q/K order).
+    perm = torch.tensor([3, 0, 12, 5])
+    np.testing.assert_array_equal(dequantize_rows(qw.rows(perm)).numpy(), want[perm.numpy()])
+
+
+@pytest.mark.parametrize(("fmt", "bound"), [("int8", 0.01), ("fp8", 0.04), ("int4", 0.12)])
+def test_quantizers_error_is_bounded(fmt: str, bound: float) -> None:
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    back = dequantize_rows(quantize(w, fmt))
+    rel = ((back - w).norm() / w.norm()).item()
+    assert rel < bound, rel
