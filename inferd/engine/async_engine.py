@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from inferd.engine.core import EngineCore
+from inferd.engine.core import EngineCore, RequestError
 from inferd.engine.outputs import RequestOutput, SequenceDelta
 from inferd.engine.stats import EngineStats
 from inferd.sampling.params import SamplingParams
@@ -251,6 +251,8 @@ class AsyncEngine:
         waiting queue is full, `EngineNotReadyError`/`EngineDeadError` when there is no engine.
         """
         self._check_serving()
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
         if self.max_queue_len is not None and self._num_unscheduled >= self.max_queue_len:
             raise QueueFullError(
                 f"the server is overloaded: {self._num_unscheduled} requests are waiting "
