@@ -13,7 +13,10 @@ from inferd.scheduler.sequence import Sequence, SequenceStatus
 
 
 def _seq(n_prompt: int, priority: int = 0, arrival: float = 0.0) -> Sequence:
-    return Sequence("r", 0, list(range(n_prompt)), n_prompt, SamplingParams(), priority, arrival)
+    # Distinct prompts (offset by arrival): identical ones would share a prefix and wait for it.
+    first = int(arrival * 1000)
+    tokens = list(range(first, first + n_prompt))
+    return Sequence("r", 0, tokens, n_prompt, SamplingParams(), priority, arrival)
 
 
 def test_block_pool_allocate_free_integrity():
@@ -103,4 +106,30 @@ def test_scheduler_preempts_lowest_priority_and_requeues():
     assert out.preempted == [lo] and [s for s, _ in out.scheduled] == [hi]
     assert lo.status is SequenceStatus.WAITING and lo.num_computed_tokens == 0
     assert sched.waiting == [lo] and sched.num_preemptions == 1
+    kv.check_integrity()
+
+
+def test_cache_aware_admission_prefers_cached_prefix_with_bounded_wait():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1), kv)
+    sched.max_skips = 2
+    warm = list(range(100, 112))
+    kv.attach_cached_prefix(0, warm)
+    kv.allocate_slots(0, 0, 12)
+    kv.cache_computed_blocks(0, warm, 12)
+    kv.free(0)  # warm's 3 blocks stay in the cache
+    cold = _seq(12, arrival=0.0)
+    hot = [Sequence("h", 0, warm + [i], 13, SamplingParams(), 0, 1.0 + i) for i in range(3)]
+    sched.add(cold)
+    for h in hot:
+        sched.add(h)
+    admitted = []
+    for _ in range(4):
+        out = sched.schedule()
+        (seq, n), = out.scheduled
+        admitted.append(seq)
+        sched.finish(seq)
+    # Cache hits jump the queue, but the cold head goes after being passed over twice.
+    assert admitted == [hot[0], hot[1], cold, hot[2]]
+    assert hot[0].num_computed_tokens == 12  # served from the cache
     kv.check_integrity()

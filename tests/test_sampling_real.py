@@ -31,6 +31,8 @@ def test_n_samples_share_prompt_blocks(llm):
     bs = engine.kv.block_size
     assert len(ids) % bs, "the prompt must end in a partial block for copy-on-write to matter"
     prompt_blocks = -(-len(ids) // bs)
+    full = prompt_blocks - 1
+    assert llm.reset_prefix_cache()
     free0 = engine.kv.pool.num_free
     engine.add_request("n4", ids, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=4))
     engine.step()  # prefill once, then fork into 4 sequences
@@ -38,12 +40,12 @@ def test_n_samples_share_prompt_blocks(llm):
     assert len(state.seqs) == 4
     tables = [engine.kv.block_tables[s.seq_id] for s in state.seqs]
     assert all(t == tables[0] for t in tables)
-    assert [engine.kv.pool.ref_counts[b] for b in tables[0]] == [4] * prompt_blocks
+    # 4 sequences share every prompt block; the full ones are also held by the prefix cache.
+    assert [engine.kv.pool.ref_counts[b] for b in tables[0]] == [5] * full + [4]
     assert free0 - engine.kv.pool.num_free == prompt_blocks  # not 4 × prompt_blocks
     engine.step()  # each child writes into the shared partial block: copy-on-write
-    full = prompt_blocks - 1
     assert free0 - engine.kv.pool.num_free == full + 4
-    assert [engine.kv.pool.ref_counts[b] for b in tables[0][:full]] == [4] * full
+    assert [engine.kv.pool.ref_counts[b] for b in tables[0][:full]] == [5] * full
     engine.kv.check_integrity()
     while engine.has_unfinished_requests():
         engine.step()

@@ -91,7 +91,7 @@ class EngineCore:
                 "tokens); raise --kv-cache-memory or lower --max-model-len"
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
@@ -208,6 +208,7 @@ class EngineCore:
             is_prefill = n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
             self.stats.prompt_tokens_total += n if is_prefill else 0
             seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
         rows: list[int] = []
         seqs: list[Sequence] = []
@@ -255,6 +256,7 @@ class EngineCore:
         seq.token_ids.append(token)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
+            state.metrics.num_cached_tokens = seq.num_cached_tokens
         new_logprobs: list[dict[int, Logprob]] = []
         if logprob is not None and seq.logprobs is not None:
             entry = self._logprob_entry(token, *logprob)
@@ -305,6 +307,9 @@ class EngineCore:
         s.num_preemptions_total = self.scheduler.num_preemptions
         s.num_free_blocks = self.kv.pool.num_free
         s.kv_cache_usage = self.kv.pool.usage()
+        s.prefix_cache_queries_total = self.scheduler.prefix_queries_tokens
+        s.prefix_cache_hits_total = self.scheduler.prefix_hits_tokens
+        s.num_cached_blocks = self.kv.prefix_cache.num_nodes
 
     def get_stats(self) -> EngineStats:
         self._refresh_stats()
@@ -335,10 +340,20 @@ class EngineCore:
         del self.requests[request_id]
         return output
 
+    def reset_prefix_cache(self) -> bool:
+        """Flush the prefix cache (blocks in use by running requests stay); True if now empty."""
+        return self.kv.reset_prefix_cache()
+
     def check_no_leaks(self) -> None:
-        """With no request in flight every block must be free (the invariant tests pin)."""
+        """The invariant tests pin: with no request in flight, every block is free or held by the
+        prefix cache alone, and flushing the cache leaves the pool entirely free."""
         self.kv.check_integrity()
         assert not self.scheduler.running and not self.scheduler.waiting
+        assert not self.kv.block_tables, f"block tables left: {list(self.kv.block_tables)}"
+        cached = set(self.kv.prefix_cache.blocks())
+        for b, rc in enumerate(self.kv.pool.ref_counts):
+            assert rc == 0 or (rc == 1 and b in cached), f"block {b}: ref {rc}, cached {b in cached}"
+        assert self.reset_prefix_cache(), "prefix cache could not be flushed"
         assert self.kv.pool.num_free == self.kv.pool.num_blocks, (
             f"{self.kv.pool.num_blocks - self.kv.pool.num_free} KV blocks leaked"
         )

@@ -155,6 +155,10 @@ class LLM:
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Flush the prefix cache; True when it is empty afterwards."""
+        return self.engine.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         """Running / waiting / preempted counts, KV usage, token totals and throughputs."""
         return self.engine.get_stats()

@@ -20,8 +20,16 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (recomputation included)
     generation_tokens_total: int = 0
     requests_finished_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # ... and served from it
+    num_cached_blocks: int = 0  # blocks the prefix cache holds
     prompt_throughput: float = 0.0  # tokens/s over the last logging interval
     generation_throughput: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries_total
+        return self.prefix_cache_hits_total / q if q else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -51,7 +59,9 @@ class StatsLogger:
         if self.update_rates(stats):
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                "Running: %d reqs, Waiting: %d reqs, Preemptions: %d, KV cache usage: %.1f%%",
+                "Running: %d reqs, Waiting: %d reqs, Preemptions: %d, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
                 stats.prompt_throughput, stats.generation_throughput, stats.num_running,
                 stats.num_waiting, stats.num_preemptions_total, 100 * stats.kv_cache_usage,
+                100 * stats.prefix_cache_hit_rate,
             )  # fmt: skip

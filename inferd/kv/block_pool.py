@@ -18,13 +18,35 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # FIFO: a freed block goes to the back, so recently freed blocks are reused last.
         self._free: deque[int] = deque(range(num_blocks))
+        # Blocks the prefix cache owns, and how many of them nobody else holds (ref count 1):
+        # those are reclaimable by eviction, so they count as available, not as used.
+        self._cached: set[int] = set()
+        self.num_cached_only = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Free blocks plus blocks only the prefix cache holds (evictable on demand)."""
+        return len(self._free) + self.num_cached_only
+
     def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
+        """Fraction of blocks held by running sequences (cache-only blocks count as available)."""
+        return 1.0 - self.num_available / self.num_blocks
+
+    def mark_cached(self, block: int) -> None:
+        """The prefix cache took a reference on `block` (already counted in its ref count)."""
+        self._cached.add(block)
+        if self.ref_counts[block] == 1:
+            self.num_cached_only += 1
+
+    def unmark_cached(self, block: int) -> None:
+        """The prefix cache is about to drop its reference on `block`."""
+        self._cached.discard(block)
+        if self.ref_counts[block] == 1:
+            self.num_cached_only -= 1
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -37,6 +59,8 @@ class BlockPool:
     def incref(self, blocks: Iterable[int]) -> None:
         for b in blocks:
             assert self.ref_counts[b] > 0, f"incref of free block {b}"
+            if self.ref_counts[b] == 1 and b in self._cached:
+                self.num_cached_only -= 1
             self.ref_counts[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> None:
@@ -45,6 +69,8 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self._free.append(b)
+            elif self.ref_counts[b] == 1 and b in self._cached:
+                self.num_cached_only += 1
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """free + in-use = total, no block both free and referenced, refs match the owners'."""
@@ -53,6 +79,8 @@ class BlockPool:
         for b, rc in enumerate(self.ref_counts):
             assert rc >= 0, f"block {b} has negative ref count {rc}"
             assert (rc == 0) == (b in free), f"block {b}: ref count {rc}, on free list {b in free}"
+        cached_only = sum(1 for b in self._cached if self.ref_counts[b] == 1)
+        assert cached_only == self.num_cached_only, f"{self.num_cached_only=} but {cached_only} counted"
         if expected_refs is not None:
             actual = {b: rc for b, rc in enumerate(self.ref_counts) if rc}
             assert actual == expected_refs, f"ref counts {actual} != owners' {expected_refs}"

@@ -1,23 +1,32 @@
-"""Per-sequence block tables over the global `BlockPool`: allocation, sharing (fork), copy-on-write.
+"""Per-sequence block tables over the global `BlockPool`: allocation, prefix reuse, sharing (fork),
+copy-on-write.
 
-A sequence's block table covers token positions [0, len(table) * block_size). Blocks may be shared
-by several sequences (n > 1 samples of one prompt); a write into a shared block first copies it to a
-fresh block (copy-on-write), recorded in `pending_copies` for the model runner to apply before the
-step's forward pass.
+A sequence's block table covers token positions [0, len(table) * block_size):
+- [0, cached) blocks came from or went into the prefix cache (full blocks, never written again);
+- the rest are its own, the last one possibly partial.
+Blocks may also be shared by several sequences (n > 1 samples of one prompt); a write into a shared
+block first copies it to a fresh block (copy-on-write), recorded in `pending_copies` for the model
+runner to apply before the step's forward pass.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from inferd.kv.block_pool import BlockPool
+from inferd.kv.prefix_cache import NullPrefixCache, PrefixCache
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.prefix_cache: PrefixCache | NullPrefixCache = (
+            PrefixCache(self.pool, block_size) if enable_prefix_caching else NullPrefixCache()
+        )
         self.block_tables: dict[int, list[int]] = {}
+        self._num_cached_blocks: dict[int, int] = {}  # blocks [0, n) of a table are in the tree
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
 
     @property
@@ -27,15 +36,35 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes)."""
+        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, touch=False)) * self.block_size
+
+    def attach_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Start a sequence's table with the longest cached prefix; returns the tokens reused.
+        At least one token is left to compute: the step needs its logits."""
+        blocks = self.prefix_cache.match(token_ids, len(token_ids) - 1)
+        self.pool.incref(blocks)
+        self.block_tables[seq_id] = list(blocks)
+        self._num_cached_blocks[seq_id] = len(blocks)
+        return len(blocks) * self.block_size
+
+    def _ensure_free(self, n: int) -> bool:
+        if n > self.pool.num_available:
+            return False  # even evicting the whole cache would not make room
+        if n > self.pool.num_free:
+            self.prefix_cache.evict(n - self.pool.num_free)
+        return n <= self.pool.num_free
+
     def allocate_slots(self, seq_id: int, num_computed: int, num_new: int) -> bool:
         """Make room to write positions [num_computed, num_computed + num_new). False: no room
-        (and nothing changed); the scheduler then preempts someone and tries again."""
+        (and nothing changed but evictions); the scheduler then preempts someone and retries."""
         table = self.block_tables.setdefault(seq_id, [])
         first = num_computed // self.block_size
         last = (num_computed + num_new - 1) // self.block_size
         shared = [i for i in range(first, min(last + 1, len(table))) if self.pool.ref_counts[table[i]] > 1]
         new = max(0, last + 1 - len(table))
-        if new + len(shared) > self.pool.num_free:
+        if not self._ensure_free(new + len(shared)):
             return False
         for i in shared:
             (dst,) = self.pool.allocate(1)
@@ -44,6 +73,14 @@ class KVCacheManager:
             table[i] = dst
         table.extend(self.pool.allocate(new))
         return True
+
+    def cache_computed_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Offer the sequence's newly completed full blocks to the prefix cache."""
+        full = num_computed // self.block_size
+        start = self._num_cached_blocks.get(seq_id, 0)
+        if full > start and self.prefix_cache.enabled:
+            self.prefix_cache.insert(token_ids, self.block_tables[seq_id], start, full)
+            self._num_cached_blocks[seq_id] = full
 
     def slot(self, seq_id: int, position: int) -> int:
         return self.block_tables[seq_id][position // self.block_size] * self.block_size + (
@@ -55,12 +92,18 @@ class KVCacheManager:
         table = self.block_tables[parent_id]
         self.pool.incref(table)
         self.block_tables[child_id] = list(table)
+        self._num_cached_blocks[child_id] = self._num_cached_blocks.get(parent_id, 0)
 
     def free(self, seq_id: int) -> None:
+        self._num_cached_blocks.pop(seq_id, None)
         table = self.block_tables.pop(seq_id, None)
         if table:
-            # Free tail-first so a later prefix cache can keep the head longest.
+            # Tail first: the free list then hands out the tail blocks before the prefix ones.
             self.pool.decref(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Flush every cached block no running sequence uses; True if the cache is now empty."""
+        return self.prefix_cache.reset()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -68,4 +111,5 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         owners = Counter(b for table in self.block_tables.values() for b in table)
+        owners.update(self.prefix_cache.blocks())
         self.pool.check_integrity(dict(owners))

@@ -36,6 +36,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits_tokens = 0  # ... and found there
+        self.lpm_window = 16  # how far back cache-aware admission looks
+        self.max_skips = 8  # bounded wait for a request passed over by cache-aware admission
 
     @property
     def num_unfinished(self) -> int:
@@ -99,24 +103,72 @@ class Scheduler:
                 budget -= n
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is full).
+        deferred: list[Sequence] = []
         while (
-            self.waiting
+            len(self.waiting) > len(deferred)
             and budget > 0
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self._pick_waiting(deferred)
+            if self._prefix_in_flight(seq):
+                deferred.append(seq)  # wait for the running prefill to cache it, then reuse it
+                continue
+            # Reuse the longest cached prefix: only the rest is computed.
+            cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
             if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
-                self.kv.free(seq.seq_id)  # drop an empty table the failed attempt may have made
+                self.kv.free(seq.seq_id)  # give the cached prefix back; retry in a later step
+                seq.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.prefix_queries_tokens += seq.num_tokens
+            self.prefix_hits_tokens += cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when a running sequence is still prefilling blocks `seq` could reuse beyond what the
+        cache already has. Admitting `seq` now would compute the same prefix twice; a step or a few
+        later it is served from the cache instead."""
+        if not self.kv.prefix_cache.enabled:
+            return False
+        bs = self.kv.block_size
+        cached_blocks = self.kv.cached_prefix_len(seq.token_ids) // bs
+        limit = (seq.num_tokens - 1) // bs  # blocks seq could ever take from the cache
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue  # past its prefill: what it shares is already cached
+            shared = 0
+            top = min(limit, other.num_prompt_tokens // bs)
+            while shared < top and seq.token_ids[shared * bs : (shared + 1) * bs] == other.token_ids[shared * bs : (shared + 1) * bs]:
+                shared += 1
+            if shared > cached_blocks:
+                return True
+        return False
+
+    def _pick_waiting(self, deferred: list[Sequence]) -> Sequence:
+        """The next waiting sequence to admit: the head of the queue, unless a request of the same
+        priority a little further back has a longer cached prefix (SGLang's longest-prefix-match,
+        which keeps the hot prefix in cache). A head passed over `max_skips` times goes first, so
+        nobody starves."""
+        candidates = [s for s in self.waiting if s not in deferred] if deferred else self.waiting
+        head = candidates[0]
+        if not self.kv.prefix_cache.enabled or len(candidates) == 1 or head.num_skips >= self.max_skips:
+            return head
+        window = [s for s in candidates[: self.lpm_window] if s.priority == head.priority]
+        best = max(window, key=lambda s: (self.kv.cached_prefix_len(s.token_ids), -window.index(s)))
+        if best is not head:
+            for s in window[: window.index(best)]:
+                s.num_skips += 1
+        return best
 
     def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
         """The lowest-priority, latest running sequence not already scheduled; else `seq` itself."""

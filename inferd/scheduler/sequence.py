@@ -41,6 +41,8 @@ class Sequence:
     # Tokens whose K/V are in the cache: positions [0, num_computed_tokens).
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_skips: int = 0  # times cache-aware scheduling admitted a later request before this one
     generator: torch.Generator | None = None
     pending_forks: int = 0  # n - 1 until the prompt's first token is sampled, then 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -30,7 +30,7 @@ from inferd.server.protocol import (
     TokenizeResponse,
 )
 from inferd.server.serving_chat import create_chat_completion, render_chat
-from inferd.server.serving_common import ServerState
+from inferd.server.serving_common import ServerState, encode
 from inferd.server.serving_completions import create_completion
 
 logger = logging.getLogger("inferd.server")
@@ -144,11 +144,11 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if req.messages is not None:
-            ids = render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
-        else:
-            ids = state.tokenizer.encode(
-                req.prompt or "", add_special_tokens=req.add_special_tokens
+            ids = await render_chat(
+                state, req.messages, add_generation_prompt=req.add_generation_prompt
             )
+        else:
+            ids = await encode(state.tokenizer, req.prompt or "", req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
     @app.post("/detokenize")

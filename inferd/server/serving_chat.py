@@ -36,6 +36,7 @@ from inferd.server.serving_common import (
     ServerState,
     add_requests,
     check_length,
+    encode,
     merge_streams,
     sampling_params,
     sse,
@@ -82,7 +83,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(
+async def render_chat(
     state: ServerState,
     messages: list[ChatMessage],
     *,
@@ -102,7 +103,7 @@ def render_chat(
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
-    return tok.encode(text, add_special_tokens=False)
+    return await encode(tok, text, add_special_tokens=False)
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -150,7 +151,7 @@ async def create_chat_completion(
 ) -> Any:
     model = state.check_model(req.model)
     _check_unsupported(req)
-    ids = render_chat(
+    ids = await render_chat(
         state,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,

@@ -86,6 +86,16 @@ class ServerState:
         logger.info("received request %s: prompt: %r, params: %s", request_id, shown, params)
 
 
+_INLINE_TOKENIZE_CHARS = 16_384  # above this, tokenizing could stall every stream for a while
+
+
+async def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize without stalling the event loop: long texts go to a worker thread."""
+    if len(text) <= _INLINE_TOKENIZE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
 def check_length(
     num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
 ) -> int:

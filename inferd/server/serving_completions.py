@@ -30,6 +30,7 @@ from inferd.server.serving_common import (
     ServerState,
     add_requests,
     check_length,
+    encode,
     merge_streams,
     sampling_params,
     sse,
@@ -38,7 +39,7 @@ from inferd.server.serving_common import (
 )
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+async def _prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     """Every prompt as token ids (strings tokenized with the model's BOS rule)."""
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -52,7 +53,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     tok = state.tokenizer
     out: list[list[int]] = []
     for item in items:
-        ids = tok.encode(item) if isinstance(item, str) else list(item)
+        ids = await encode(tok, item) if isinstance(item, str) else list(item)
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         out.append(ids)
@@ -92,7 +93,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             "echo with logprobs needs prompt logprobs, which are not supported yet",
             param="echo",
         )
-    prompts = _prompts(state, req)
+    prompts = await _prompts(state, req)
     max_len = state.max_model_len
     max_tokens = min(check_length(len(ids), req.max_tokens, max_len) for ids in prompts)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
