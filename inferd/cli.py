@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)  # fmt: skip
     try:
-        return args.func(args)
+        result = args.func(args)
+        return result if isinstance(result, int) else 0
     except (FileNotFoundError, ValueError) as e:
         print(f"inferd: error: {e}", file=sys.stderr)
         return 2

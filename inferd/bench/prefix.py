@@ -1,0 +1,110 @@
+"""`inferd bench prefix`: the prefix-cache scenarios of the seeds, cache on vs off in one run.
+
+- multi-turn: a 5-turn chat whose history grows to ~1,500 tokens; time to first token of the fifth
+  turn when its history was served before (cache on) vs the same history unseen (cache off).
+- shared-prefix: 16 requests sharing a 1,024-token prefix with distinct 32-token suffixes, sent
+  together after one warm-up request; mean time to first token and prefill tokens computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from inferd.bench.prompts import synthetic_prompt
+
+
+def _ttfts(llm, prompts: list[list[int]], max_tokens: int = 1) -> tuple[list[float], int]:
+    """Send all prompts at once; per-request TTFT (s) and prompt tokens computed."""
+    from inferd import SamplingParams
+
+    before = llm.get_stats().prompt_tokens_total
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)  # fmt: skip
+    computed = llm.get_stats().prompt_tokens_total - before
+    return [o.metrics.first_token_time - o.metrics.arrival_time for o in outs], computed
+
+
+def multi_turn(llm, tok, turns: int, turn_tokens: int, answer_tokens: int) -> dict:
+    """Build the conversation turn by turn (the engine answers each); return TTFT per turn."""
+    from inferd import SamplingParams
+
+    history: list[int] = []
+    ttft = []
+    for t in range(turns):
+        user = synthetic_prompt(tok, turn_tokens, seed=1000 + t)
+        prompt = history + user
+        (out,) = llm.generate([{"prompt_token_ids": prompt}],
+                              SamplingParams(temperature=0, max_tokens=answer_tokens, ignore_eos=True),
+                              use_tqdm=False)  # fmt: skip
+        ttft.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        history = prompt + out.outputs[0].token_ids
+    return {"ttft_per_turn_s": [round(x, 4) for x in ttft], "final_prompt_tokens": len(prompt)}
+
+
+def run_prefix(args: argparse.Namespace) -> dict:
+    from inferd import LLM
+    from inferd.loader import load_model
+
+    loaded = load_model(args.model, verbose=False)
+    tok = loaded.tokenizer
+    report: dict = {"scenario": args.scenario}
+    results = {}
+    for cache in (True, False):
+        llm = LLM(loaded=loaded, verbose=False, enable_prefix_caching=cache,
+                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        llm.generate([[1, 2, 3]], use_tqdm=False)  # warm-up
+        runs = []
+        for r in range(args.runs):
+            llm.reset_prefix_cache()
+            if args.scenario == "multi-turn":
+                runs.append(multi_turn(llm, tok, turns=5, turn_tokens=args.turn_tokens,
+                                       answer_tokens=args.answer_tokens))  # fmt: skip
+            else:
+                prefix = synthetic_prompt(tok, args.prefix_len, seed=7 + r)
+                suffixes = [synthetic_prompt(tok, args.suffix_len, seed=100 + i) for i in range(args.num_requests)]
+                _ttfts(llm, [prefix + synthetic_prompt(tok, args.suffix_len, seed=99)])  # warm-up: the prefix is hot
+                ttfts, computed = _ttfts(llm, [prefix + s for s in suffixes])
+                runs.append({"mean_ttft_s": statistics.mean(ttfts), "prefill_tokens_computed": computed})
+        results["cache_on" if cache else "cache_off"] = runs
+        del llm
+    if args.scenario == "multi-turn":
+        last_on = statistics.median(r["ttft_per_turn_s"][-1] for r in results["cache_on"])
+        last_off = statistics.median(r["ttft_per_turn_s"][-1] for r in results["cache_off"])
+        report.update(final_prompt_tokens=results["cache_on"][0]["final_prompt_tokens"],
+                      turn5_ttft_on_s=round(last_on, 4), turn5_ttft_off_s=round(last_off, 4),
+                      ratio=round(last_on / last_off, 4),
+                      ttft_per_turn_on=results["cache_on"][0]["ttft_per_turn_s"],
+                      ttft_per_turn_off=results["cache_off"][0]["ttft_per_turn_s"])  # fmt: skip
+        print(f"5-turn chat ({report['final_prompt_tokens']} tokens at turn 5): TTFT turn 5 "
+              f"cache on {last_on:.3f} s, off {last_off:.3f} s → {report['ratio']}×")  # fmt: skip
+    else:
+        on = statistics.median(r["mean_ttft_s"] for r in results["cache_on"])
+        off = statistics.median(r["mean_ttft_s"] for r in results["cache_off"])
+        computed = statistics.median(r["prefill_tokens_computed"] for r in results["cache_on"])
+        ideal = args.num_requests * args.suffix_len
+        report.update(mean_ttft_on_s=round(on, 4), mean_ttft_off_s=round(off, 4), ratio=round(on / off, 4),
+                      prefill_tokens_computed_on=computed, distinct_tokens=ideal,
+                      computed_over_ideal=round(computed / (args.prefix_len + ideal), 3))  # fmt: skip
+        print(f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix (+{args.suffix_len} each): "
+              f"mean TTFT cache on {on:.3f} s, off {off:.3f} s → {report['ratio']}×; prefill tokens "
+              f"computed with cache: {computed} (prefix + suffixes = {args.prefix_len + ideal}; "
+              f"{report['computed_over_ideal']}×)")  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+def add_prefix_parser(sub) -> None:
+    p = sub.add_parser("prefix", help="prefix-cache scenarios: multi-turn, shared-prefix (cache on vs off)")
+    p.add_argument("--scenario", choices=["multi-turn", "shared-prefix"], default="shared-prefix")
+    p.add_argument("--model", default=None)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--turn-tokens", type=int, default=240, help="tokens per user turn (multi-turn)")
+    p.add_argument("--answer-tokens", type=int, default=64, help="tokens per answer (multi-turn)")
+    p.set_defaults(func=run_prefix)
