@@ -108,12 +108,11 @@ def test_failing_step_fails_in_flight_requests_only() -> None:
         try:
             core = engine.engine
             assert isinstance(core, FlakyEngine)
-            gen = engine.generate("x", "Count to ten:", greedy(200, ignore_eos=True))
-            await gen.__anext__()
+            # Armed before the request arrives, so the failing step is the request's own
+            # (arming it mid-stream would race the engine thread, which never waits for us).
             core.fail_next.set()
             with pytest.raises(EngineStepError, match="injected fault"):
-                async for _ in gen:
-                    pass
+                await collect(engine, "x", "Count to ten:", greedy(50, ignore_eos=True))
             await engine.call(lambda e: e.check_no_leaks())
             text, _ = await collect(engine, "y", "Hello, my name is", greedy())
             assert text  # the engine thread survived and serves new requests
