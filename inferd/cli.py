@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import dataclass
 
 from inferd.engine_args import add_engine_args, engine_config_from_args
 
@@ -42,22 +43,30 @@ def _build_engine(args: argparse.Namespace):
     return engine
 
 
-def _stream(engine, prompt, params, out=sys.stdout) -> tuple[int, float | None, float]:
-    """Run one request to completion, printing text as it arrives. Returns (tokens, ttft, secs)."""
+@dataclass(slots=True)
+class _StreamResult:
+    tokens: int = 0
+    ttft: float | None = None  # seconds from submission to the first token
+    first_token_wall: float | None = None  # time.time() of the first token
+    seconds: float = 0.0
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> _StreamResult:
+    """Run one request to completion, printing text as it arrives."""
     rid = f"cli-{time.monotonic_ns()}"
     start = time.perf_counter()
     engine.add_request(rid, prompt, params)
-    first: float | None = None
-    n = 0
+    res = _StreamResult()
     try:
         while True:
             deltas = engine.step()
             for d in deltas:
                 if d.request_id != rid:
                     continue
-                if first is None:
-                    first = time.perf_counter() - start
-                n += len(d.new_token_ids)
+                if res.ttft is None:
+                    res.ttft = time.perf_counter() - start
+                    res.first_token_wall = time.time()
+                res.tokens += len(d.new_token_ids)
                 out.write(d.text_delta)
                 out.flush()
             if rid not in engine.requests or engine.requests[rid].finished:
@@ -67,7 +76,8 @@ def _stream(engine, prompt, params, out=sys.stdout) -> tuple[int, float | None, 
         raise
     if rid in engine.requests:
         engine.pop_finished(rid)
-    return n, first, time.perf_counter() - start
+    res.seconds = time.perf_counter() - start
+    return res
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -81,13 +91,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         sys.stdout.write(prompt)
-    n, ttft, secs = _stream(engine, prompt, params)
+    res = _stream(engine, prompt, params)
     sys.stdout.write("\n")
-    if ttft is not None:
+    if res.ttft is not None:
+        n, ttft, secs = res.tokens, res.ttft, res.seconds
         decode = (n - 1) / (secs - ttft) if n > 1 and secs > ttft else 0.0
+        startup = res.first_token_wall - _process_start_time()
         print(f"[{n} tokens; time to first token {ttft * 1000:.0f} ms; decode {decode:.1f} tokens/s; "
-              f"since process start {time.time() - _PROCESS_START:.2f} s to finish]",
-              file=sys.stderr)  # fmt: skip
+              f"process start to first token {startup:.2f} s]", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -142,8 +153,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from inferd.config import resolve_device, resolve_dtype
     from inferd.loader import load_model
+    from inferd.quantization.policy import weight_bytes_by_mode
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization="auto")  # GGUF blocks as shipped
     cfg = loaded.config
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -161,6 +173,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("tied embeddings", str(cfg.tie_word_embeddings)),
         ("compute dtype", f"{str(dtype).removeprefix('torch.')} on {device}"),
         ("KV bytes per token", f"{cfg.kv_bytes_per_token(dtype):,} ({str(dtype).removeprefix('torch.')})"),
+        ("resident weights", " · ".join(
+            f"{m} {b / 2**20:.1f} MiB" for m, b in
+            weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings).items())),  # fmt: skip
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("torch", torch.__version__),
     ]
@@ -209,7 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PROCESS_START = time.time()
+def _process_start_time() -> float:
+    """When the OS started this process (imports included), for the startup figure."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # psutil missing or unsupported platform: module import time instead
+        return _MODULE_IMPORTED
+
+
+_MODULE_IMPORTED = time.time()
 
 
 def main(argv: list[str] | None = None) -> int:
