@@ -14,7 +14,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache_manager import KVCacheManager
-from inferd.layers.attention import AttentionMetadata, PrefillSlice
+from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -23,6 +23,10 @@ from inferd.scheduler.sequence import Sequence
 # 4 GiB here). Smaller ones, and any CUDA pool, are zeroed explicitly: attention reads padded,
 # masked slots, and 0 × NaN from garbage memory would poison the output.
 _LAZY_ZERO_BYTES = 64 << 20
+
+# Queries up to this long (decodes, short prompts and chunks) share one padded attention call;
+# longer prefill chunks run one sequence at a time, where padding would cost more than it saves.
+PADDED_GROUP_MAX_QUERY = 32
 
 
 def allocate_kv_cache(
@@ -71,9 +75,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        # Short queries go to the padded group: (first row, q_len, context after step, table).
+        group: list[tuple[int, int, int, list[int]]] = []
         prefills: list[PrefillSlice] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
@@ -85,10 +88,8 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                decode_rows.append(row0)
-                decode_tables.append(table[: (end + bs - 1) // bs])
-                decode_lens.append(end)
+            if n <= PADDED_GROUP_MAX_QUERY:
+                group.append((row0, n, end, table[: (end + bs - 1) // bs]))
             else:
                 mask = None
                 if start > 0:
@@ -104,22 +105,39 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             block_size=bs,
-            decode_rows=None,
-            decode_block_tables=None,
-            decode_mask=None,
+            group=self._padded_group(group, len(input_ids)) if group else None,
             prefills=prefills,
         )
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            lens = self._tensor(decode_lens)
-            meta.decode_rows = self._tensor(decode_rows)
-            meta.decode_block_tables = self._tensor(padded)
-            key_pos = torch.arange(width * bs, device=self.device)
-            meta.decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            meta.decode_is_whole_batch = len(decode_rows) == len(input_ids)
         return StepBatch(self._tensor(input_ids), self._tensor(positions), meta, sample_rows,
                          sample_seqs)  # fmt: skip
+
+    def _padded_group(self, group: list[tuple[int, int, int, list[int]]], num_rows: int) -> PaddedGroup:
+        bs = self.block_size
+        q_max = max(n for _, n, _, _ in group)
+        width = max(len(t) for *_, t in group)
+        token_rows: list[int] = []
+        padded_index: list[int] = []
+        for b, (row0, n, _, _) in enumerate(group):
+            token_rows.extend(range(row0, row0 + n))
+            padded_index.extend(range(b * q_max, b * q_max + n))
+        tables = self._tensor([t + [0] * (width - len(t)) for *_, t in group])
+        q_len = self._tensor([n for _, n, _, _ in group]).view(-1, 1, 1)
+        ctx = self._tensor([c for _, _, c, _ in group]).view(-1, 1, 1)
+        i = torch.arange(q_max, device=self.device).view(1, -1, 1)
+        j = torch.arange(width * bs, device=self.device).view(1, 1, -1)
+        # Query i of a sequence sits at position ctx - q_len + i and sees keys up to it. Padded
+        # query rows (i >= q_len) see key 0 only: never an all-masked row (NaN), output dropped.
+        mask = (j <= ctx - q_len + i) | ((i >= q_len) & (j == 0))
+        whole = q_max == 1 and token_rows == list(range(num_rows))
+        return PaddedGroup(
+            token_rows=self._tensor(token_rows),
+            padded_index=self._tensor(padded_index),
+            block_tables=tables,
+            mask=mask.unsqueeze(1),
+            num_seqs=len(group),
+            q_max=q_max,
+            is_whole_batch=whole,
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepBatch]:

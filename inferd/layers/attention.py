@@ -1,10 +1,14 @@
 """Paged attention over a ragged batch: new K/V go into the block pool through a slot mapping,
 attention reads every sequence's context back through its block table.
 
-The batch is split in two shapes that cover every scheduler choice:
-- decodes (q_len == 1) run as one padded batch: keys gathered to [B, Hkv, L, D], a length mask;
-- prefill chunks (q_len > 1) run one sequence at a time with a causal mask shifted by the context
-  already in the cache (chunked prefill, recomputation after preemption, speculative verification).
+Two shapes cover every scheduler choice:
+- a padded group: sequences with short queries (decodes, q_len == 1, and short prefill chunks) run
+  as ONE attention call: queries padded to [B, Hq, Qmax, D], keys gathered from their blocks to
+  [B, Hkv, L, D], one mask [B, 1, Qmax, L] that is causal, shifted by each sequence's context, and
+  cut at its length. Per-sequence Python work would otherwise dominate steps of many short prompts.
+- long prefill chunks run one sequence at a time (padding them would waste more than it saves):
+  with no earlier context, keys come straight from the chunk under a plain causal mask; otherwise
+  from the cache under the shifted causal mask (chunked prefill, prefix-cache hits, recomputation).
 The masks and index tensors are built once per step (`AttentionMetadata`) and shared by all layers.
 """
 
@@ -28,14 +32,42 @@ class PrefillSlice:
 
 
 @dataclass(slots=True)
+class PaddedGroup:
+    """Sequences attended in one call. Query row i of sequence b sits at padded position
+    b * q_max + i; `padded_index[k]` is where flat-batch row `token_rows[k]` goes."""
+
+    token_rows: torch.Tensor  # [N] int64 rows of the flat batch
+    padded_index: torch.Tensor  # [N] int64 positions in the [B * q_max] padded layout
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padding points at block 0, masked)
+    mask: torch.Tensor  # [B, 1, q_max, max_blocks * block_size] bool
+    num_seqs: int
+    q_max: int
+    is_whole_batch: bool  # rows are exactly 0..T-1 in padded order (pure decode): no scatter
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) per new token
     block_size: int
-    decode_rows: torch.Tensor | None  # [Bd] int64 rows of the flat batch that are decodes
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64 (padding points at block 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool
+    group: PaddedGroup | None
     prefills: list[PrefillSlice]
-    decode_is_whole_batch: bool = False  # every row is a decode: skip the scatter back
+
+
+def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, gqa: bool):
+    _, block_size, n_kv, d = k_cache.shape
+    b, max_blocks = g.block_tables.shape
+    flat = g.block_tables.view(-1)  # index_select: far cheaper than 2-D advanced indexing
+    keys = k_cache.index_select(0, flat).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
+    vals = v_cache.index_select(0, flat).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
+    n_heads = q.shape[1]
+    if g.is_whole_batch:
+        qp = q
+    else:
+        qp = q.new_zeros(b * g.q_max, n_heads, d).index_copy_(0, g.padded_index, q.index_select(0, g.token_rows))
+    qp = qp.view(b, g.q_max, n_heads, d).transpose(1, 2)  # [B, Hq, Qmax, D]
+    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+    o = o.transpose(1, 2).reshape(b * g.q_max, n_heads, d)
+    return o if g.is_whole_batch else o.index_select(0, g.padded_index)
 
 
 def paged_attention(
@@ -48,26 +80,18 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
-    num_blocks, block_size, n_kv, d = k_cache.shape
+    _, block_size, n_kv, d = k_cache.shape
     k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != n_kv
 
-    if meta.decode_rows is not None:
-        bt = meta.decode_block_tables
-        bd, max_blocks = bt.shape
-        # [Bd, max_blocks, bs, Hkv, D] → [Bd, Hkv, L, D]
-        flat = bt.view(-1)  # index_select: far cheaper than advanced indexing with a 2-D index
-        keys = k_cache.index_select(0, flat).view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
-        vals = v_cache.index_select(0, flat).view(bd, max_blocks * block_size, n_kv, d).transpose(1, 2)
-        qd = q if meta.decode_is_whole_batch else q[meta.decode_rows]
-        o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), keys, vals, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )  # [Bd, Hq, 1, D]
-        if meta.decode_is_whole_batch:
-            return o.squeeze(2)
-        out[meta.decode_rows] = o.squeeze(2)
+    if meta.group is not None:
+        o = _padded_group_attention(q, k_cache, v_cache, meta.group, scale, gqa)
+        if meta.group.is_whole_batch:
+            return o
+        out = torch.empty_like(q).index_copy_(0, meta.group.token_rows, o)
+    else:
+        out = torch.empty_like(q)
 
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
