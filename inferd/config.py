@@ -104,6 +104,9 @@ class EngineConfig:
     model: str | None = None  # GGUF path, HF directory, or None for the default model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
+    # auto | none | int8 | int4 | fp8 (inferd/quantization/policy.py says what each keeps)
+    quantization: str = "auto"
+    quantization_group_size: int = 32  # int4 weights per scale/min: 32, 64 or 128
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -113,6 +116,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
+        if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
+            raise ValueError(
+                f"--quantization must be auto, none, int8, int4 or fp8; got {self.quantization}"
+            )
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(
+                f"--quantization-group-size must be 32, 64 or 128; got {self.quantization_group_size}"
+            )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

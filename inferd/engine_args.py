@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--quantization", "-q", default="auto",
+                   choices=["auto", "none", "int8", "int4", "fp8"],
+                   help="weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks; none = dequantize; "
+                        "int8 per-channel, int4 group-wise, fp8 E4M3 per-channel")  # fmt: skip
+    g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 weights per scale/min")  # fmt: skip
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
@@ -51,6 +57,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         seed=args.seed,
         cache=CacheConfig(
             block_size=args.block_size,

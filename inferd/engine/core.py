@@ -22,6 +22,8 @@ from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model
+from inferd.quantization.policy import describe as describe_quantization
+from inferd.quantization.policy import resident_weight_bytes
 from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler
 from inferd.scheduler.scheduler import Scheduler
@@ -71,7 +73,7 @@ def _kv_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, verbose: bool = True) -> None:
         self.config = config
-        loaded = loaded or load_model(config.model, verbose=verbose)
+        loaded = loaded or load_model(config.model, verbose=verbose, quantization=config.quantization)
         self.model_config = mcfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
@@ -95,7 +97,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
-                                dtype=self.dtype, device=self.device)  # fmt: skip
+                                dtype=self.dtype, device=self.device,
+                                quantization=config.quantization,
+                                quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device)
@@ -103,7 +107,10 @@ class EngineCore:
         self.requests: dict[str, _RequestState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.stats_logger = StatsLogger(config.log_stats_interval)
+        self.weight_bytes = resident_weight_bytes(model)
         if verbose:
+            logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
+                        config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s)", num_blocks, capacity,
                         num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."))  # fmt: skip
 

@@ -35,19 +35,29 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 def load_model(
-    model: str | os.PathLike[str] | None, *, use_cache: bool = True, verbose: bool = True
+    model: str | os.PathLike[str] | None,
+    *,
+    use_cache: bool = True,
+    verbose: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load a GGUF file or HF directory (None: the default model), printing the load time."""
+    """Load a GGUF file or HF directory (None: the default model), printing the load time.
+
+    `quantization` is the engine's `--quantization`: unless "none", a GGUF file's Q8_0/Q4_0/Q4_1
+    matrices stay in their blocks (`QuantizedWeight`) instead of being dequantized to fp32."""
+    from inferd.quantization.policy import keeps_file_quantization
+
+    keep = keeps_file_quantization(quantization)
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.is_dir():
         loaded = load_hf_dir(path, show_progress=verbose)
     elif path.is_file():
-        loaded = conversion_cache.load_cached(path) if use_cache else None
+        loaded = conversion_cache.load_cached(path, keep) if use_cache else None
         if loaded is None:
-            loaded = load_gguf(path, show_progress=verbose)
+            loaded = load_gguf(path, show_progress=verbose, keep_quantized=keep)
             if use_cache:
-                conversion_cache.store(path, loaded)
+                conversion_cache.store(path, loaded, keep)
     else:
         raise ModelLoadError(f"{path}: neither a GGUF file nor a model directory")
     if verbose:

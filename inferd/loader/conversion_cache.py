@@ -1,4 +1,8 @@
-"""A cache of converted GGUF models (fp32 safetensors + metadata) so later starts skip dequantizing.
+"""A cache of converted GGUF models (safetensors + metadata) so later starts skip dequantizing.
+
+An entry holds either fp32 weights, or — when the file's quantization is kept — the packed blocks
+of each `QuantizedWeight` ("<name>::data", "::scales", "::mins") next to the fp32 rest, so a
+quantized start reads about the file's size, not four times it.
 
 The `gguf` package parses metadata and dequantizes in numpy, ~5–8 s for the default model; reading
 back the converted tensors takes a fraction of a second, which is what keeps startup under 5 s.
@@ -21,18 +25,41 @@ from inferd.config import ModelConfig
 from inferd.loader.default_model import cache_dir
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel
+from inferd.quantization.formats import QuantizedWeight
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
-def _entry(path: Path) -> Path:
+def _entry(path: Path, keep_quantized: bool = False) -> Path:
     st = path.stat()
-    key = f"{_FORMAT_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{_FORMAT_VERSION}|{keep_quantized}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     return cache_dir() / "converted" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def load_cached(path: Path) -> LoadedModel | None:
-    entry = _entry(path)
+def _flatten(weights: dict) -> tuple[dict, dict]:
+    tensors, quantized = {}, {}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            quantized[name] = {"format": w.format, "shape": list(w.shape), "group": w.group,
+                               "source": w.source}  # fmt: skip
+            for part, t in w.tensors().items():
+                tensors[f"{name}::{part}"] = t.contiguous()
+        else:
+            tensors[name] = w.contiguous()
+    return tensors, quantized
+
+
+def _unflatten(tensors: dict, quantized: dict) -> dict:
+    weights = {k: v for k, v in tensors.items() if "::" not in k}
+    for name, q in quantized.items():
+        weights[name] = QuantizedWeight(q["format"], tensors[f"{name}::data"],
+                                        tensors[f"{name}::scales"], tensors.get(f"{name}::mins"),
+                                        tuple(q["shape"]), q["group"], q["source"])  # fmt: skip
+    return weights
+
+
+def load_cached(path: Path, keep_quantized: bool = False) -> LoadedModel | None:
+    entry = _entry(path, keep_quantized)
     meta_path = entry / "meta.json"
     if not meta_path.is_file():
         return None
@@ -49,23 +76,26 @@ def load_cached(path: Path) -> LoadedModel | None:
             add_bos_token=tok["add_bos_token"],
             chat_template=tok["chat_template"],
         )
-        weights = load_file(str(entry / "weights.safetensors"))
+        weights = _unflatten(load_file(str(entry / "weights.safetensors")),
+                             meta.get("quantized", {}))  # fmt: skip
     except Exception:
         shutil.rmtree(entry, ignore_errors=True)  # a damaged entry is rebuilt, never trusted
         return None
     return LoadedModel(config, weights, tokenizer, str(path), meta["file_type"])
 
 
-def store(path: Path, model: LoadedModel) -> None:
-    entry = _entry(path)
+def store(path: Path, model: LoadedModel, keep_quantized: bool = False) -> None:
+    entry = _entry(path, keep_quantized)
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model.weights.items()}, str(tmp / "weights.safetensors"))
+        tensors, quantized = _flatten(model.weights)
+        save_file(tensors, str(tmp / "weights.safetensors"))
         tk = model.tokenizer
         meta = {
             "config": dataclasses.asdict(model.config),
             "file_type": model.file_type,
+            "quantized": quantized,
             "tokenizer": {
                 "json": tk.hf.to_str(),
                 "bos_token_id": tk.bos_token_id,

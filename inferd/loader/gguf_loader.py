@@ -15,6 +15,7 @@ from inferd.config import ModelConfig
 from inferd.loader.gguf_tokenizer import UnsupportedTokenizerError, build_gguf_tokenizer
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
+from inferd.quantization.formats import GGUF_NATIVE, QuantizedWeight, from_gguf_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -150,11 +151,18 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
+def _native(tensor: Any) -> QuantizedWeight:
+    """Q8_0/Q4_0/Q4_1 blocks → the kernels' layout, bytes copied (no fp32 detour)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+
+
+def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = False) -> LoadedModel:
     """Any failure on a damaged file (undecodable strings, merges or vocab the tokenizer refuses)
-    surfaces as one ModelLoadError naming the file."""
+    surfaces as one ModelLoadError naming the file. `keep_quantized`: Q8_0/Q4_0/Q4_1 matrices come
+    back as `QuantizedWeight`s in their blocks instead of dequantized fp32."""
     try:
-        return _load_gguf(path, show_progress)
+        return _load_gguf(path, show_progress, keep_quantized)
     except ModelLoadError as e:
         if str(path) in str(e):
             raise
@@ -163,7 +171,7 @@ def load_gguf(path: Path, show_progress: bool = True) -> LoadedModel:
         raise ModelLoadError(f"{path}: corrupt GGUF metadata: {type(e).__name__}: {e}") from e
 
 
-def _load_gguf(path: Path, show_progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) -> LoadedModel:
     import gguf
 
     try:
@@ -178,7 +186,7 @@ def _load_gguf(path: Path, show_progress: bool) -> LoadedModel:
         )
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     config = _model_config(reader, arch, len(tokens))
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     types: Counter[str] = Counter()
     bar = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress,
                leave=False)  # fmt: skip
@@ -187,6 +195,16 @@ def _load_gguf(path: Path, show_progress: bool) -> LoadedModel:
         if name is None:
             continue
         types[t.tensor_type.name] += 1
+        if keep_quantized and t.tensor_type.name in GGUF_NATIVE and len(t.shape) == 2:
+            try:
+                qw = _native(t)
+            except Exception as e:
+                raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {e}") from e
+            if arch != "qwen2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+                qw = qw.rows(unpermute_rope(np.arange(qw.shape[0]), heads))  # rows, as below
+            weights[name] = qw
+            continue
         try:
             arr = _dequantize(t)
         except Exception as e:

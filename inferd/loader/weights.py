@@ -1,4 +1,4 @@
-"""What a loader produces: config, weights in HF naming (fp32 on CPU), tokenizer."""
+"""What a loader produces: config, weights in HF naming (fp32 or GGUF blocks), tokenizer."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.loader.tokenizer import Tokenizer
+from inferd.quantization.formats import QuantizedWeight
 
 
 class ModelLoadError(ValueError):
@@ -17,7 +18,9 @@ class ModelLoadError(ValueError):
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names: model.layers.0.self_attn.q_proj.weight, ...
+    # HF names: model.layers.0.self_attn.q_proj.weight, ...; fp32 tensors, or GGUF blocks kept as
+    # they are (`QuantizedWeight`) when the loader was asked to keep the file's quantization.
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: Tokenizer
     source: str  # the path it came from
     file_type: str  # e.g. "GGUF Q4_1", "safetensors bfloat16"

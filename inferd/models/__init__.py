@@ -17,6 +17,8 @@ def build_model(
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
 ) -> torch.nn.Module:
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
@@ -24,8 +26,9 @@ def build_model(
     # Build on the meta device and materialise once: no wasted random init of 100M+ parameters.
     with torch.device("meta"):
         model = cls(cfg)
-    model = model.to_empty(device=device)
-    model.load_weights(weights)
-    model = model.to(dtype=dtype).eval()
+    # Cast before loading: quantized layers swapped in by load_weights keep their packed dtypes.
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.load_weights(weights, quantization, quantization_group_size)
+    model = model.eval()
     model.set_rotary(max_positions, weights.get("rope_freq_factors"), device)
     return model

@@ -10,7 +10,10 @@ from inferd.config import ModelConfig
 from inferd.layers.attention import AttentionMetadata, paged_attention
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
+from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from inferd.quantization.formats import QuantizedWeight
+from inferd.quantization.policy import linear_weight
 
 
 class LlamaAttention(nn.Module):
@@ -106,8 +109,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits in fp32 for the rows that sample: [B, vocab]."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them."""
+    def load_weights(
+        self,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        quantization: str = "none",
+        group_size: int = 32,
+    ) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them; linear
+        layers whose weight `--quantization` keeps quantized become `QuantizedLinear`s."""
         own = dict(self.named_parameters(remove_duplicate=False))
         used: set[str] = set()
 
@@ -124,27 +133,52 @@ class LlamaForCausalLM(nn.Module):
                                  f"!= model shape {tuple(param.shape)}")  # fmt: skip
             param.data.copy_(value)
 
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+
+        def put_linear(name: str, parts: list, head: bool = False) -> QuantizedWeight | None:
+            w = linear_weight(parts, quantization, group_size, head)
+            if not isinstance(w, QuantizedWeight):
+                put(f"{name}.weight", w)
+                return None
+            parent, _, attr = name.rpartition(".")
+            module = self.get_submodule(parent) if parent else self
+            w = w.to(device)
+            setattr(module, attr, QuantizedLinear(w, getattr(module, attr).bias))
+            return w
+
+        embed = take("model.embed_tokens.weight")
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # to_empty() may have split the tie
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+            head = linear_weight([embed], quantization, group_size, head=True)
+            if isinstance(head, QuantizedWeight):  # the embedding reads the head's rows
+                head = head.to(device)
+                self.lm_head = QuantizedLinear(head)
+                self.embed_tokens = QuantizedEmbedding(head, dtype)
+            else:
+                put("embed_tokens.weight", head)
+                self.lm_head.weight = self.embed_tokens.weight  # to_empty() may have split it
+        else:
+            if isinstance(embed, QuantizedWeight) and quantization != "none":
+                self.embed_tokens = QuantizedEmbedding(embed.to(device), dtype)
+            else:
+                put("embed_tokens.weight", embed if isinstance(embed, torch.Tensor)
+                    else linear_weight([embed], "none"))  # fmt: skip
+            put_linear("lm_head", [take("lm_head.weight")], head=True)
         put("norm.weight", take("model.norm.weight"))
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", take("lm_head.weight"))
         for i in range(self.config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
             attn = f"{src}self_attn."
             qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv))
+            put_linear(f"{dst}self_attn.qkv_proj", qkv)
             if self.config.attention_bias:
                 bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
                 put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+            put_linear(f"{dst}self_attn.o_proj", [take(f"{attn}o_proj.weight")])
             mlp = f"{src}mlp."
             gate_up = [take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
+            put_linear(f"{dst}mlp.gate_up_proj", gate_up)
+            put_linear(f"{dst}mlp.down_proj", [take(f"{mlp}down_proj.weight")])
         ignored = {"rope_freq_factors"} | {k for k in weights if k.endswith("rotary_emb.inv_freq")}
         unknown = set(weights) - used - ignored
         if self.config.tie_word_embeddings:
