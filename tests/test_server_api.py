@@ -103,11 +103,40 @@ def test_completion_shape_and_usage(http: httpx.Client, tokenizer) -> None:
     )
     assert choice["text"]
     prompt_tokens = len(tokenizer.encode(PROMPT))
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached in (0, (prompt_tokens - 1) // 16 * 16)  # 0 unless an earlier test sent PROMPT
     assert body["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 8,
         "total_tokens": prompt_tokens + 8,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def test_prefix_cache_hits_in_usage_metrics_and_reset(http: httpx.Client, tokenizer) -> None:
+    system = "You are a meticulous assistant who answers questions about astronomy. " * 6
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a planet."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    assert http.post("/reset_prefix_cache").json() == {"reset": True}
+    hits0 = metric(_metrics(http), "inferd:prefix_cache_hits_total")
+    first = http.post("/v1/chat/completions", json=body).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    n = first["usage"]["prompt_tokens"]
+    # A later turn of the same conversation (streamed): its whole history prefix is reused.
+    follow = {**body, "stream": True, "stream_options": {"include_usage": True},
+              "messages": [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                           {"role": "user", "content": "And another?"}]}  # fmt: skip
+    events = sse_events(http.post("/v1/chat/completions", json=follow))
+    usage = json.loads(events[-2])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // 16 * 16 - 16 > 0
+    second = http.post("/v1/chat/completions", json=body).json()
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 16 * 16}
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    assert metric(_metrics(http), "inferd:prefix_cache_hits_total") > hits0
+    _wait_idle(http)
+    assert http.post("/reset_prefix_cache").json() == {"reset": True}
+    third = http.post("/v1/chat/completions", json=body).json()
+    assert third["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_completion_stream_matches_non_stream(client: openai.OpenAI, http: httpx.Client) -> None:

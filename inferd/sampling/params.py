@@ -43,8 +43,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer below 2^31, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -61,8 +61,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - self.n):
+            bad(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
         self.stop_strings = self._normalize_stop(self.stop)
         if self.stop_token_ids is not None:
             if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

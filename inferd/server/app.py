@@ -132,6 +132,13 @@ def build_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    @api_errors
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """Flush the prefix cache (blocks running requests use stay); `reset` says if it emptied."""
+        state.ready_engine()
+        return {"reset": await engine.call(lambda core: core.reset_prefix_cache())}
+
     @app.get("/version")
     @api_errors
     async def version() -> dict[str, str]:

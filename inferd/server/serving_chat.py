@@ -223,7 +223,9 @@ def _response(
         created=created,
         model=model,
         choices=choices,
-        usage=UsageInfo.of(len(out.prompt_token_ids), completion),
+        usage=UsageInfo.of(
+            len(out.prompt_token_ids), completion, out.metrics.num_cached_tokens if out.metrics else 0
+        ),
     )
 
 
@@ -262,7 +264,10 @@ async def _stream(
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
     num_completion = 0
+    num_cached = 0
     async for _, update in merge_streams([stream]):
+        if update.output is not None and update.output.metrics is not None:
+            num_cached = update.output.metrics.num_cached_tokens
         for d in update.deltas:
             num_completion += len(d.new_token_ids)
             logprobs = None
@@ -278,5 +283,5 @@ async def _stream(
             delta = {"content": d.text_delta} if d.text_delta or logprobs else {}
             yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
     if include_usage:
-        usage = UsageInfo.of(num_prompt, num_completion).model_dump()
+        usage = UsageInfo.of(num_prompt, num_completion, num_cached).model_dump()
         yield sse({**base, "choices": [], "usage": usage})

@@ -138,9 +138,10 @@ def _response(
     echoes: list[str],
 ) -> CompletionResponse:
     choices: list[CompletionChoice] = []
-    num_prompt = num_completion = 0
+    num_prompt = num_completion = num_cached = 0
     for p, out in enumerate(outputs):
         num_prompt += len(out.prompt_token_ids)
+        num_cached += out.metrics.num_cached_tokens if out.metrics else 0
         for o in out.outputs:
             num_completion += len(o.token_ids)
             logprobs = None
@@ -161,7 +162,7 @@ def _response(
         created=created,
         model=model,
         choices=choices,
-        usage=UsageInfo.of(num_prompt, num_completion),
+        usage=UsageInfo.of(num_prompt, num_completion, num_cached),
     )
 
 
@@ -185,14 +186,16 @@ async def _stream(
     if include_usage:
         base["usage"] = None  # OpenAI: every chunk has the field, null but on the last one
     offsets: dict[int, int] = {}  # choice index → characters streamed so far (echo included)
-    num_completion = 0
+    num_completion = num_cached = 0
     async for p, update in merge_streams(streams):
         num_completion += sum(len(d.new_token_ids) for d in update.deltas)
+        if update.output is not None and update.output.metrics is not None:
+            num_cached += update.output.metrics.num_cached_tokens
         for chunk in _chunks(p, n, update, echoes, offsets, want_logprobs):
             yield sse({**base, "choices": [chunk]})
     if include_usage:
         num_prompt = sum(len(ids) for ids in prompts)
-        usage = UsageInfo.of(num_prompt, num_completion).model_dump()
+        usage = UsageInfo.of(num_prompt, num_completion, num_cached).model_dump()
         yield sse({**base, "choices": [], "usage": usage})
 
 
