@@ -41,7 +41,7 @@ def _weights():
 
 def _quantized():
     for w in _weights():
-        n, k = w.shape
+        k = w.shape[1]
         yield quantize(w, "int8")
         yield quantize_int8_blocks(w)
         yield quantize(w, "fp8")

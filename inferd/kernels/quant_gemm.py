@@ -59,7 +59,7 @@ def extension() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # no compiler / ninja, or the build failed: stay correct, run slower
+    except Exception as e:  # noqa: BLE001 — no compiler / ninja, or the build failed: stay correct, run slower
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"inferd: cannot build quantized CPU kernels ({first}); using the slower PyTorch "
               "fallback", file=sys.stderr, flush=True)  # fmt: skip

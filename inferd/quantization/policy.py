@@ -7,7 +7,9 @@ Modes:
 - "int8" (per-channel), "int4" (group-wise asymmetric, `group` 32/64/128), "fp8" (E4M3 per-channel):
   every linear layer in that format. GGUF blocks that already are that format are kept as
   shipped; others are dequantised and re-quantised. The output head (and a tied embedding, which
-  shares it) uses int8 in "int4" mode: logits are the most sensitive matmul, as in llama.cpp.
+  shares it) uses int8 in "int4" and "fp8" modes: logits are the most sensitive matmul (as in
+  llama.cpp); measured on SmolLM2-135M, an fp8 head alone costs ~3% perplexity, an int8 one ~0.5%.
+  fp8 runs a fused kernel too (E4M3 decoded in registers), not dequantise-then-matmul.
 """
 
 from __future__ import annotations
