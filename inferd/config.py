@@ -112,6 +112,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Seconds between periodic stats log lines (0 disables).
     log_stats_interval: float = 10.0
+    # Seconds a structured-output grammar may take to compile before its request fails.
+    structured_output_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -119,6 +121,10 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ValueError(
                 f"--quantization must be auto, none, int8, int4 or fp8; got {self.quantization}"
+            )
+        if not self.structured_output_timeout > 0:
+            raise ValueError(
+                f"--structured-output-timeout must be > 0, got {self.structured_output_timeout}"
             )
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(

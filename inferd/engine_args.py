@@ -48,6 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="largest prefill chunk of one sequence per step")  # fmt: skip
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    g.add_argument("--structured-output-timeout", type=float, default=30.0,
+                   help="seconds a JSON schema / regex / grammar may take to compile")  # fmt: skip
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine stats log lines (0: off)")  # fmt: skip
 
@@ -73,4 +75,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         log_stats_interval=args.log_stats_interval,
+        structured_output_timeout=args.structured_output_timeout,
     )

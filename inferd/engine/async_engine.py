@@ -259,6 +259,10 @@ class AsyncEngine:
                 f"(--max-queue-len {self.max_queue_len}); retry later"
             )
         assert self._loop is not None
+        if params.structured is not None and self.engine is not None:
+            # Compile the grammar in a worker thread under its time limit, before the engine sees
+            # the request: a slow grammar keeps only this request waiting.
+            await self.engine.prepare_structured_async(params)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler
 from inferd.scheduler.scheduler import Scheduler
 from inferd.scheduler.sequence import Logprob, Sequence
+from inferd.structured.backend import GrammarError
+from inferd.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("inferd.engine")
 
@@ -108,6 +111,8 @@ class EngineCore:
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.stats_logger = StatsLogger(config.log_stats_interval)
         self.weight_bytes = resident_weight_bytes(model)
+        self._structured: StructuredOutputManager | None = None  # built on first use (~0.3 s)
+        self._structured_lock = threading.Lock()
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
@@ -118,6 +123,34 @@ class EngineCore:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(dict.fromkeys((*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids)))
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """Grammar compilation and masks; thread-safe (the async front compiles through it)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(
+                    self.tokenizer.hf.to_str(), self.model_config.vocab_size, self.eos_token_ids,
+                    self.config.structured_output_timeout,
+                )  # fmt: skip
+            return self._structured
+
+    def prepare_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (blocking the caller) so adding it is a cache hit;
+        raises RequestError naming the problem (bad schema, unsupported feature, timeout)."""
+        if params.structured is not None:
+            try:
+                self.structured.prepare(params.structured)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
+
+    async def prepare_structured_async(self, params: SamplingParams) -> None:
+        """Same, awaiting a worker thread: for the async front, never the engine thread."""
+        if params.structured is not None:
+            try:
+                await self.structured.prepare_async(params.structured)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check a request; raises RequestError naming the problem."""
@@ -163,6 +196,12 @@ class EngineCore:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.validate(prompt_token_ids if prompt_token_ids is not None else prompt, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
+        matcher = None
+        if params.structured is not None:
+            try:  # a cache hit when the caller prepared it off the loop (AsyncEngine, LLM)
+                matcher = self.structured.matcher(params.structured)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
         seq = Sequence(
             request_id=request_id,
             index=0,
@@ -174,6 +213,7 @@ class EngineCore:
             generator=self._generator(params, 0),
             pending_forks=params.n - 1,
             logprobs=[] if params.logprobs is not None else None,
+            matcher=matcher,
         )
         state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
                               params, RequestMetrics(arrival_time=now))  # fmt: skip
@@ -209,6 +249,11 @@ class EngineCore:
         if out.is_empty:
             self._refresh_stats()
             return []
+        # Grammar masks of the sequences that sample this step, filled while the forward runs.
+        will_sample = [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
+        masks = None
+        if self._structured is not None and any(s.matcher is not None for s in will_sample):
+            masks = self._structured.fill_async([s.matcher for s in will_sample])
         logits, batch = self.runner.execute(out)
         for seq, n in out.scheduled:
             # Prefill work (prompt, or recomputation after preemption) vs. a plain decode step.
@@ -226,7 +271,10 @@ class EngineCore:
                 for child in self._fork(seq):
                     rows.append(row)
                     seqs.append(child)
-        result = self.sampler(logits, rows, seqs)
+        bitmask = masks.result() if masks is not None else None
+        if bitmask is not None and len(batch.sample_seqs) != len(will_sample):  # never expected
+            bitmask = self.structured.fill([s.matcher for s in batch.sample_seqs])
+        result = self.sampler(logits, rows, seqs, bitmask)
 
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
@@ -273,6 +321,7 @@ class EngineCore:
 
         detok = state.detoks[seq.seq_id]
         stop_str = detok.add_token(token)
+        grammar_done = seq.matcher is not None and seq.matcher.advance(token)
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
@@ -280,6 +329,8 @@ class EngineCore:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif can_stop and stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif grammar_done:  # the grammar is complete: nothing but EOS could follow
+            seq.finish_reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
             seq.num_tokens >= self.max_model_len
         ):

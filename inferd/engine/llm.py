@@ -63,6 +63,7 @@ class LLM:
         long_prefill_token_threshold: int | None = None,
         chat_template: str | None = None,
         log_stats_interval: float = 0.0,
+        structured_output_timeout: float = 30.0,
         verbose: bool = True,
         loaded: Any = None,
     ) -> None:
@@ -81,6 +82,7 @@ class LLM:
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold),  # fmt: skip
             log_stats_interval=log_stats_interval,
+            structured_output_timeout=structured_output_timeout,
         )
         self.engine = EngineCore(config, loaded=loaded, verbose=verbose)
         if chat_template is not None:
@@ -113,6 +115,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             try:
                 token_ids.append(self.engine.validate(p, sp))
+                if sp.structured is not None:  # compile (cached) under the time limit, up front
+                    self.engine.prepare_structured(sp)
             except RequestError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]

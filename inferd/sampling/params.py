@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inferd.structured.params import StructuredOutputsParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    structured: StructuredOutputsParams | None = None  # constrain the output to a grammar
     # Filled by validation: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 
@@ -64,6 +67,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - self.n):
             bad(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
         self.stop_strings = self._normalize_stop(self.stop)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
+            bad(f"structured must be a StructuredOutputsParams, got {type(self.structured).__name__}")
         if self.stop_token_ids is not None:
             if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
                 bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

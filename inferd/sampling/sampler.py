@@ -13,6 +13,7 @@ import torch
 
 from inferd.scheduler.sequence import Sequence
 from inferd.sampling.processors import apply_processors
+from inferd.structured.manager import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -43,8 +44,15 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> SampleResult:
-        """logits: [R, V] fp32; seqs[i] samples from logits[rows[i]]."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        seqs: list[Sequence],
+        bitmask: torch.Tensor | None = None,
+    ) -> SampleResult:
+        """logits: [R, V] fp32; seqs[i] samples from logits[rows[i]]. bitmask: the grammar masks,
+        int32 [R, ceil(V / 32)] (inferd.structured), applied to structured sequences' rows only."""
         if logits.shape[-1] > self.vocab_size:  # padded vocab rows never get sampled
             logits = logits[:, : self.vocab_size]
         if rows != list(range(len(rows))):
@@ -53,6 +61,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
         logits = apply_processors(logits, seqs, self.eos_token_ids)
+        if bitmask is not None:  # free sequences' rows are all ones: untouched
+            logits = apply_bitmask(logits, bitmask[rows] if rows != list(range(len(rows))) else bitmask)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:

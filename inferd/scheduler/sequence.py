@@ -7,6 +7,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from inferd.sampling.params import SamplingParams
@@ -50,6 +52,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     first_token_time: float | None = None
+    # Structured output: the sequence's grammar matcher (inferd.structured.GrammarMatcher).
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,4 +93,5 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             generator=generator,
             logprobs=[] if self.logprobs is not None else None,
+            matcher=self.matcher.copy() if self.matcher is not None else None,
         )
