@@ -57,6 +57,12 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Structured output: OpenAI's response_format and vLLM's guided_* extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -95,7 +101,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     echo: bool = False
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -181,6 +187,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

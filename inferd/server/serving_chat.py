@@ -41,7 +41,17 @@ from inferd.server.serving_common import (
     sampling_params,
     sse,
     stream_with_errors,
+    structured_spec,
     until_disconnected,
+)
+from inferd.structured.tools import (
+    ToolError,
+    check_tools,
+    chosen,
+    forced_call_spec,
+    may_become_call,
+    parse_tool_calls,
+    prepare_messages,
 )
 
 # SamplingParams' names for what the chat API calls otherwise (for the error's `param`).
@@ -90,33 +100,37 @@ async def render_chat(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
+    functions: dict[str, dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt's token ids; a template that fails or escapes the sandbox is a 400."""
+    """The prompt's token ids; a template that fails or escapes the sandbox is a 400.
+
+    `functions` (the checked tools): a template that ignores `tools` gets them described in the
+    system message instead, and past tool calls written into the assistant turns."""
     tok = state.tokenizer
     try:
-        text = tok.apply_chat_template(
-            message_dicts(messages),
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            **(extra or {}),
-        )
+        dicts = message_dicts(messages)
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(extra or {})}
+        text = tok.apply_chat_template(dicts, tools=tools, **kwargs)
+        has_calls = any(d.get("tool_calls") for d in dicts)
+        if (functions or has_calls) and text == tok.apply_chat_template(dicts, **kwargs):
+            dicts = prepare_messages(dicts, functions or {}, template_knows_tools=False)
+            text = tok.apply_chat_template(dicts, **kwargs)
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
     return await encode(tok, text, add_special_tokens=False)
 
 
+def _tools(req: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], str]:
+    """(functions by name, normalized tool_choice); 400 naming the problem."""
+    try:
+        functions = check_tools(req.tools)
+        return functions, chosen(req.tool_choice, functions)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(
-            400, f"response_format {fmt!r} is not supported yet", param="response_format"
-        )
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(
-            400, "tool_choice other than 'none' or 'auto' is not supported yet", param="tool_choice"
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 
@@ -151,18 +165,30 @@ async def create_chat_completion(
 ) -> Any:
     model = state.check_model(req.model)
     _check_unsupported(req)
+    functions, tool_choice = _tools(req)
+    if tool_choice == "none":
+        functions = {}
+    structured = forced_call_spec(tool_choice, functions, req.parallel_tool_calls)
+    if structured is not None and structured_spec(req) is not None:
+        raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                       "response_format or guided_*", param="tool_choice")  # fmt: skip
     ids = await render_chat(
         state,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
-        tools=req.tools if req.tool_choice != "none" else None,
+        tools=req.tools if functions else None,
         extra=req.chat_template_kwargs,
+        functions=functions,
     )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_length(len(ids), wanted, state.max_model_len, "messages")
     top = req.top_logprobs or 0
     params = sampling_params(
-        req, max_tokens=max_tokens, logprobs=top if req.logprobs else None, aliases=_CHAT_ALIASES
+        req,
+        max_tokens=max_tokens,
+        logprobs=top if req.logprobs else None,
+        aliases=_CHAT_ALIASES,
+        structured=structured,
     )
     request_id = random_id("chatcmpl")
     created = now_s()
@@ -185,12 +211,12 @@ async def create_chat_completion(
             len(ids),
             include_usage,
             top if req.logprobs else None,
+            functions,
         )
         return EngineStreamingResponse(stream_with_errors(body), streams)
     output = await until_disconnected(raw, _collect(streams[0]))
-    return JSONResponse(
-        _response(request_id, created, model, output, top if req.logprobs else None).model_dump()
-    )
+    response = _response(request_id, created, model, output, top if req.logprobs else None, functions)
+    return JSONResponse(response.model_dump(exclude_none=False))
 
 
 async def _collect(stream: RequestStream) -> RequestOutput:
@@ -201,19 +227,30 @@ async def _collect(stream: RequestStream) -> RequestOutput:
 
 
 def _response(
-    request_id: str, created: int, model: str, out: RequestOutput, top: int | None
+    request_id: str,
+    created: int,
+    model: str,
+    out: RequestOutput,
+    top: int | None,
+    functions: dict[str, dict[str, Any]] | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         logprobs = None
         if top is not None and o.logprobs is not None:
             logprobs = ChatLogprobs(content=_logprob_entries(o.token_ids, o.logprobs, top))
+        content, calls = parse_tool_calls(o.text, functions) if functions else (o.text, [])
+        message = ChatResponseMessage(content=content)
+        finish = o.finish_reason
+        if calls:
+            message.tool_calls = [c.to_openai() for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
         choices.append(
             ChatChoice(
                 index=o.index,
-                message=ChatResponseMessage(content=o.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=o.finish_reason,
+                finish_reason=finish,
                 stop_reason=o.stop_reason,
             )
         )
@@ -238,6 +275,7 @@ async def _stream(
     num_prompt: int,
     include_usage: bool,
     top: int | None,
+    functions: dict[str, dict[str, Any]] | None = None,
 ) -> AsyncIterator[str]:
     base: dict[str, Any] = {
         "id": request_id,
@@ -265,6 +303,10 @@ async def _stream(
         yield chunk(index, {"role": "assistant", "content": ""})
     num_completion = 0
     num_cached = 0
+    # With tools: text that may still become a tool call is held back until it can't or the
+    # choice ends; calls then go out as `delta.tool_calls` fragments.
+    held: dict[int, str] = {}
+    flushed: set[int] = set()
     async for _, update in merge_streams([stream]):
         if update.output is not None and update.output.metrics is not None:
             num_cached = update.output.metrics.num_cached_tokens
@@ -278,10 +320,40 @@ async def _stream(
                         for e in _logprob_entries(d.new_token_ids, d.new_logprobs, top)
                     ]
                 }
-            if not d.text_delta and d.finish_reason is None and logprobs is None:
+            text_delta = d.text_delta
+            if functions and d.index not in flushed:
+                text = held.get(d.index, "") + text_delta
+                if d.finish_reason is None and may_become_call(text):
+                    held[d.index] = text
+                    continue
+                held.pop(d.index, None)
+                content, calls = parse_tool_calls(text, functions) if d.finish_reason else (text, [])
+                if not calls:
+                    flushed.add(d.index)
+                    text_delta = content or ""
+                else:
+                    if content:
+                        yield chunk(d.index, {"content": content})
+                    for i, call in enumerate(calls):
+                        for piece in _tool_call_fragments(i, call):
+                            yield chunk(d.index, {"tool_calls": [piece]})
+                    finish = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+                    yield chunk(d.index, {}, logprobs, finish, d.stop_reason)
+                    continue
+            if not text_delta and d.finish_reason is None and logprobs is None:
                 continue  # text held back (a possible stop string, a partial UTF-8 character)
-            delta = {"content": d.text_delta} if d.text_delta or logprobs else {}
+            delta = {"content": text_delta} if text_delta or logprobs else {}
             yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
     if include_usage:
         usage = UsageInfo.of(num_prompt, num_completion, num_cached).model_dump()
         yield sse({**base, "choices": [], "usage": usage})
+
+
+def _tool_call_fragments(index: int, call: Any) -> list[dict[str, Any]]:
+    """A call as streamed deltas: id, type and name first, then the arguments in pieces."""
+    head = {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+    args = call.arguments
+    step = max(8, len(args) // 4)
+    pieces = [args[i : i + step] for i in range(0, len(args), step)]
+    return [head] + [{"index": index, "function": {"arguments": p}} for p in pieces]

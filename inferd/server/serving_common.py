@@ -21,6 +21,7 @@ from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, sse_error, to_api_error
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import _SamplingFields
+from inferd.structured import StructuredOutputsParams
 
 logger = logging.getLogger("inferd.server")
 
@@ -128,12 +129,49 @@ def check_length(
     return max_tokens
 
 
+def structured_spec(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The grammar a request asks for (response_format or one guided_* field), or None."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            body = fmt.get("json_schema")
+            schema = body.get("schema") if isinstance(body, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs `json_schema.schema`, a "
+                               "JSON schema object", param="response_format")  # fmt: skip
+            asked.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise APIError(400, f"response_format type must be text, json_object or json_schema; "
+                           f"got {kind!r}", param="response_format")  # fmt: skip
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None:
+            asked.append((name, {key: value}))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(n for n, _ in asked)
+        raise APIError(400, f"use only one of response_format and guided_*; got {names}",
+                       param=asked[1][0])  # fmt: skip
+    name, kwargs = asked[0]
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from e
+
+
 def sampling_params(
     req: _SamplingFields,
     *,
     max_tokens: int | None,
     logprobs: int | None,
     aliases: dict[str, str] | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request; its own range checks become 400s naming the field."""
     if not 1 <= req.n <= MAX_N:
@@ -170,6 +208,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured=structured if structured is not None else structured_spec(req),
         )
     except ValueError as e:
         raise to_api_error(e, param_aliases=aliases) from e

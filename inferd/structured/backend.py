@@ -38,7 +38,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "json":
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
         if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
+            return llg.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=_JSON_DEFAULTS
+            )
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(text)
         if kind == "choice":
@@ -53,7 +55,9 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
                  cache_size: int = 256) -> None:  # fmt: skip
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.tokenizer = llg.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
@@ -91,7 +95,9 @@ class GrammarCompiler:
 
 def _short(error: str) -> str:
     """llguidance errors can carry the whole grammar; keep the first line."""
-    lines = [line.strip() for line in error.split("<state>")[0].strip().splitlines() if line.strip()]
+    lines = [
+        line.strip() for line in error.split("<state>")[0].strip().splitlines() if line.strip()
+    ]
     return " ".join(lines[:4])[:500] or "unknown grammar error"
 
 

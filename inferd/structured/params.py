@@ -19,7 +19,11 @@ class StructuredOutputsParams:
     key: tuple[str, str] = field(default=("", ""), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
@@ -37,10 +41,14 @@ class StructuredOutputsParams:
                     raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            text = json.dumps(
+                schema, separators=(",", ":")
+            )  # key order matters: it is the output order
         elif kind == "choice":
-            if not isinstance(self.choice, list) or not self.choice or not all(
-                isinstance(c, str) and c for c in self.choice
+            if (
+                not isinstance(self.choice, list)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
             ):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
             text = json.dumps(self.choice)
