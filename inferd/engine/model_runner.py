@@ -57,6 +57,7 @@ class ModelRunner:
         kv: KVCacheManager,
         dtype: torch.dtype,
         device: torch.device,
+        use_attention_kernel: bool = True,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -66,6 +67,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.kv_cache = allocate_kv_cache(cfg, kv.pool.num_blocks, kv.block_size, dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # The C++ kernel reads K/V in place (fp32 on the CPU); elsewhere gather + SDPA.
+        self.attention_kernel = None
+        if use_attention_kernel and device.type == "cpu" and dtype == torch.float32:
+            from inferd.kernels.paged_attention import extension
+
+            self.attention_kernel = extension()
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -121,8 +128,16 @@ class ModelRunner:
             token_rows.extend(range(row0, row0 + n))
             padded_index.extend(range(b * q_max, b * q_max + n))
         tables = self._tensor([t + [0] * (width - len(t)) for *_, t in group])
-        q_len = self._tensor([n for _, n, _, _ in group]).view(-1, 1, 1)
-        ctx = self._tensor([c for _, _, c, _ in group]).view(-1, 1, 1)
+        q_len = self._tensor([n for _, n, _, _ in group])
+        ctx = self._tensor([c for _, _, c, _ in group])
+        if self.attention_kernel is not None:
+            return PaddedGroup(
+                token_rows=self._tensor(token_rows), padded_index=self._tensor(padded_index),
+                block_tables=tables, mask=None, num_seqs=len(group), q_max=q_max,
+                is_whole_batch=False, kernel=self.attention_kernel,
+                row_start=self._tensor([r for r, _, _, _ in group]), q_lens=q_len, ctx_lens=ctx,
+            )  # fmt: skip
+        q_len, ctx = q_len.view(-1, 1, 1), ctx.view(-1, 1, 1)
         i = torch.arange(q_max, device=self.device).view(1, -1, 1)
         j = torch.arange(width * bs, device=self.device).view(1, 1, -1)
         # Query i of a sequence sits at position ctx - q_len + i and sees keys up to it. Padded

@@ -15,6 +15,7 @@ The masks and index tensors are built once per step (`AttentionMetadata`) and sh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +40,15 @@ class PaddedGroup:
     token_rows: torch.Tensor  # [N] int64 rows of the flat batch
     padded_index: torch.Tensor  # [N] int64 positions in the [B * q_max] padded layout
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padding points at block 0, masked)
-    mask: torch.Tensor  # [B, 1, q_max, max_blocks * block_size] bool
+    mask: torch.Tensor | None  # [B, 1, q_max, max_blocks * block_size] bool (SDPA path only)
     num_seqs: int
     q_max: int
     is_whole_batch: bool  # rows are exactly 0..T-1 in padded order (pure decode): no scatter
+    # For the C++ kernel (reads K/V in place; None: use the gather + SDPA path):
+    kernel: ModuleType | None = None
+    row_start: torch.Tensor | None = None  # [B] first flat row of each sequence
+    q_lens: torch.Tensor | None = None  # [B]
+    ctx_lens: torch.Tensor | None = None  # [B] tokens in the cache after this step
 
 
 @dataclass(slots=True)
@@ -85,7 +91,14 @@ def paged_attention(
     v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != n_kv
 
-    if meta.group is not None:
+    g = meta.group
+    if g is not None and g.kernel is not None:
+        out = torch.empty_like(q)
+        g.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start, g.q_lens,
+                                       g.ctx_lens, g.block_tables, out, scale)  # fmt: skip
+        if not meta.prefills:
+            return out
+    elif g is not None:
         o = _padded_group_attention(q, k_cache, v_cache, meta.group, scale, gqa)
         if meta.group.is_whole_batch:
             return o

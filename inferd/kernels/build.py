@@ -1,0 +1,61 @@
+"""Build-once-and-cache for inferd's C++ CPU kernels (PyTorch extension API, JIT on first use).
+
+Each extension is compiled into the inferd cache folder, per torch and Python version, and loaded
+from there on later starts. Where it cannot be built (no compiler, no AVX2/FMA), `load_extension`
+returns None after one line on stderr, and callers keep a PyTorch path that gives the same results.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+def cpu_supports_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+def build_dir(name: str) -> Path:
+    from inferd.loader.default_model import cache_dir
+
+    tag = torch.__version__.replace("+", "_")
+    path = cache_dir() / "kernels" / f"{name}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_extension(name: str, source: str, what: str) -> ModuleType | None:
+    """Compile (once) and import csrc/`source` as module `inferd_{name}`; None if impossible."""
+    if not cpu_supports_avx2_fma():
+        print(f"inferd: CPU lacks AVX2/FMA/F16C; {what} use the PyTorch path", file=sys.stderr, flush=True)
+        return None
+    from torch.utils import cpp_extension
+
+    directory = build_dir(name)
+    if not any(directory.glob("*.so")):
+        print(f"inferd: compiling {what} (once) into {directory}", file=sys.stderr, flush=True)
+    try:
+        return cpp_extension.load(
+            name=f"inferd_{name}",
+            sources=[str(CSRC / source)],
+            build_directory=str(directory),
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler / ninja, or the build failed: stay correct, run slower
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"inferd: cannot build {what} ({first}); using the PyTorch path", file=sys.stderr, flush=True)
+        return None
