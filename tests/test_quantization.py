@@ -68,7 +68,7 @@ def test_every_mode_quantizes_every_linear(tiny_models, mode: str) -> None:
     net = llm.engine.runner.model
     linears = [m for m in net.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 4 * model.spec.layers + 1  # qkv, o, gate_up, down per layer + head
-    head = "int8" if mode == "int4" else mode
+    head = "int8" if mode in ("int4", "fp8") else mode  # the logits matmul stays int8
     assert net.lm_head.qweight.format == head and isinstance(net.embed_tokens, QuantizedEmbedding)
     assert all(m.qweight.format == mode for m in linears if m is not net.lm_head)
     assert resident_weight_bytes(net) < 0.45 * resident_weight_bytes(dense.engine.runner.model)
