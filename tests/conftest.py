@@ -18,6 +18,11 @@ from tiny_models import TinyModel, TinySpec, write_gguf, write_hf_dir  # noqa: E
 def inferd_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Point INFERD_CACHE_DIR at a session tmp dir: tests never read or write ~/.cache."""
     path = tmp_path_factory.mktemp("inferd-cache")
+    # Compiled C++ kernels are keyed by their source and flags: keep them across test sessions
+    # (compiling takes ~40 s each) in the usual place, while models and conversions stay isolated.
+    from inferd.loader.default_model import cache_dir
+
+    os.environ.setdefault("INFERD_KERNEL_CACHE_DIR", str(cache_dir() / "kernels"))
     old = os.environ.get("INFERD_CACHE_DIR")
     os.environ["INFERD_CACHE_DIR"] = str(path)
     yield path

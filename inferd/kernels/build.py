@@ -7,6 +7,7 @@ returns None after one line on stderr, and callers keep a PyTorch path that give
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -28,10 +29,14 @@ def cpu_supports_avx2_fma() -> bool:
 
 
 def build_dir(name: str) -> Path:
+    """`$INFERD_KERNEL_CACHE_DIR` or `<inferd cache>/kernels`, one folder per kernel and version.
+    (torch's loader rebuilds by itself when the source or flags change.)"""
     from inferd.loader.default_model import cache_dir
 
+    root = os.environ.get("INFERD_KERNEL_CACHE_DIR")
     tag = torch.__version__.replace("+", "_")
-    path = cache_dir() / "kernels" / f"{name}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
+    base = Path(root) if root else cache_dir() / "kernels"
+    path = base / f"{name}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
