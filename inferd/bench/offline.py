@@ -73,10 +73,11 @@ def run_offline(args: argparse.Namespace) -> dict:
     from inferd.loader import load_model, resolve_model_path
 
     path = resolve_model_path(args.model)
-    loaded = load_model(path, verbose=False)
+    loaded = load_model(path, verbose=False, quantization=args.quantization)
     prompts = [synthetic_prompt(loaded.tokenizer, args.input_len, seed=i) for i in range(args.num_prompts)]
     llm = LLM(loaded=loaded, verbose=False, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              quantization=args.quantization)  # fmt: skip
     print(f"torch threads: {torch.get_num_threads()}, prompts: {args.num_prompts} × {args.input_len} "
           f"tokens, output: {args.output_len} tokens, runs: {args.runs}", file=sys.stderr)  # fmt: skip
     _inferd_run(llm, prompts[:2], 8)  # warm-up
@@ -102,7 +103,7 @@ def run_offline(args: argparse.Namespace) -> dict:
             results["hf"].append(_hf_run(model, prompts, args.output_len, pad))
             print(f"hf run {i + 1}: {results['hf'][-1]}", file=sys.stderr)
 
-    report: dict = {"model": str(path), "input_len": args.input_len, "output_len": args.output_len,
+    report: dict = {"model": str(path), "quantization": args.quantization, "input_len": args.input_len, "output_len": args.output_len,
                     "num_prompts": args.num_prompts, "runs": args.runs, "engines": {}}  # fmt: skip
     for name, runs in results.items():
         report["engines"][name] = {
@@ -130,6 +131,8 @@ def add_offline_parser(sub) -> None:
     p = sub.add_parser("offline", help="offline API throughput (single stream + N requests) vs peers")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default="none",
+                   help="inferd's weights: none (fp32, what HF runs) or auto/int8/int4/fp8")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
