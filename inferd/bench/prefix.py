@@ -105,6 +105,6 @@ def add_prefix_parser(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--turn-tokens", type=int, default=240, help="tokens per user turn (multi-turn)")
-    p.add_argument("--answer-tokens", type=int, default=64, help="tokens per answer (multi-turn)")
+    p.add_argument("--turn-tokens", type=int, default=60, help="tokens per user turn (multi-turn)")
+    p.add_argument("--answer-tokens", type=int, default=300, help="tokens per answer (multi-turn)")
     p.set_defaults(func=run_prefix)

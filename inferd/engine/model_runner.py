@@ -27,6 +27,8 @@ _LAZY_ZERO_BYTES = 64 << 20
 # Queries up to this long (decodes, short prompts and chunks) share one padded attention call;
 # longer prefill chunks run one sequence at a time, where padding would cost more than it saves.
 PADDED_GROUP_MAX_QUERY = 32
+# The C++ kernel scores one query row at a time: best for decodes; longer queries go to SDPA.
+KERNEL_MAX_QUERY = 4
 
 
 def allocate_kv_cache(
@@ -130,7 +132,7 @@ class ModelRunner:
         tables = self._tensor([t + [0] * (width - len(t)) for *_, t in group])
         q_len = self._tensor([n for _, n, _, _ in group])
         ctx = self._tensor([c for _, _, c, _ in group])
-        if self.attention_kernel is not None:
+        if self.attention_kernel is not None and q_max <= KERNEL_MAX_QUERY:
             return PaddedGroup(
                 token_rows=self._tensor(token_rows), padded_index=self._tensor(padded_index),
                 block_tables=tables, mask=None, num_seqs=len(group), q_max=q_max,
