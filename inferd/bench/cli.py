@@ -7,10 +7,12 @@ from __future__ import annotations
 def add_bench_parser(sub) -> None:
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
+    from inferd.bench.structured import add_structured_parser
 
     p = sub.add_parser("bench", help="benchmarks, with peers side by side")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     add_offline_parser(bench_sub)
     add_prefix_parser(bench_sub)
+    add_structured_parser(bench_sub)
 
 
