@@ -7,6 +7,7 @@ from __future__ import annotations
 def add_bench_parser(sub) -> None:
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
+    from inferd.bench.serve import add_serve_parser
     from inferd.bench.structured import add_structured_parser
 
     p = sub.add_parser("bench", help="benchmarks, with peers side by side")
@@ -14,5 +15,6 @@ def add_bench_parser(sub) -> None:
     add_offline_parser(bench_sub)
     add_prefix_parser(bench_sub)
     add_structured_parser(bench_sub)
+    add_serve_parser(bench_sub)
 
 

@@ -1,0 +1,347 @@
+"""`inferd bench serve`: drive any OpenAI-compatible server (inferd, vLLM, llama-server) over
+streaming HTTP and report TTFT, TPOT, inter-token and end-to-end latency, throughput and goodput.
+
+The client knows nothing about the server but its OpenAI API: prompts are sent as text, output
+tokens are read from the final usage chunk (`stream_options.include_usage`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+class BenchServeError(ValueError):
+    """The benchmark cannot run (server unreachable, every request failed); `inferd` exits 2."""
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    error: str = ""
+    ttft_s: float = 0.0  # send → first chunk that carries text
+    e2e_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)  # gaps between successive text chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2e − ttft) / (tokens − 1): undefined for a single token."""
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values) * 1000.0
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, endpoint: str, model: str, p: Prompt, ignore_eos: bool
+) -> RequestResult:
+    payload: dict = {"model": model, "max_tokens": p.output_len, "temperature": 0.0,
+                     "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if ignore_eos:
+        payload["ignore_eos"] = True  # vLLM's extra; inferd and llama-server accept it too
+    if endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": p.text}]
+    else:
+        payload["prompt"] = p.text
+    res = RequestResult(ok=False)
+    chunks = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload) as r:
+            if r.status_code != 200:
+                body = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {body[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("usage"):
+                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
+                choices = msg.get("choices") or []
+                text = ""
+                if choices:
+                    c = choices[0]
+                    text = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                if not text:
+                    continue  # a role-only, finish-only or usage chunk: no token timing
+                now = time.perf_counter()
+                if chunks == 0:
+                    res.ttft_s = now - start
+                else:
+                    res.itls_s.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e_s = time.perf_counter() - start
+    if res.output_tokens == 0:
+        res.output_tokens = chunks  # no usage chunk: one token per chunk is the best guess
+    res.ok = chunks > 0 or res.output_tokens > 0
+    if not res.ok:
+        res.error = "no tokens streamed"
+    return res
+
+
+async def _run_point(
+    args: argparse.Namespace, model: str, prompts: list[Prompt], concurrency: int
+) -> tuple[list[RequestResult], float]:
+    """Closed loop at `concurrency`, or Poisson arrivals at `--request-rate` capped by it."""
+    from tqdm import tqdm
+
+    url = args.base_url.rstrip("/") + (
+        "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    )
+    rng = random.Random(args.seed)
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    bar = tqdm(total=args.num_prompts if args.duration is None else None, file=sys.stderr,
+               desc=f"concurrency {concurrency}", leave=False)  # fmt: skip
+    results: list[RequestResult] = []
+
+    async def one(p: Prompt) -> None:
+        try:
+            results.append(await _send(client, url, args.endpoint, model, p, args.ignore_eos))
+        finally:
+            sem.release()
+            bar.update(1)
+
+    tasks = []
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(args.request_timeout), limits=limits
+    ) as client:
+        start = time.perf_counter()
+        i = 0
+        while args.duration is not None or i < args.num_prompts:
+            if args.request_rate != math.inf:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+            await sem.acquire()
+            if args.duration is not None and time.perf_counter() - start >= args.duration:
+                sem.release()
+                break
+            tasks.append(asyncio.create_task(one(prompts[i % len(prompts)])))
+            i += 1
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    bar.close()
+    return results, elapsed
+
+
+def _summarize(
+    args: argparse.Namespace, concurrency: int, results: list[RequestResult], secs: float
+) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    good = None
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        ttft_slo = math.inf if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000
+        tpot_slo = math.inf if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000
+        met = [r for r in ok if r.ttft_s <= ttft_slo and (r.tpot_s or 0.0) <= tpot_slo]
+        good = len(met) / secs
+    return {
+        "concurrency": concurrency,
+        "request_rate": None if args.request_rate == math.inf else args.request_rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": secs,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "output_tokens_per_request": [r.output_tokens for r in ok],
+        "requests_per_s": len(ok) / secs,
+        "output_tps": out_tokens / secs,
+        "total_tps": (in_tokens + out_tokens) / secs,
+        "goodput_rps": good,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itls_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
+        # Kept out of the JSON (large); the plots use them.
+        "_raw": {
+            "ttft": [r.ttft_s for r in ok],
+            "itl": [x for r in ok for x in r.itls_s],
+            "e2e": [r.e2e_s for r in ok],
+        },
+    }
+
+
+def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.dataset:
+        prompts = []
+        for line in Path(args.dataset).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(Prompt(row["prompt"], int(row.get("output_len", args.output_len))))
+        if not prompts:
+            raise BenchServeError(f"no prompts in {args.dataset}")
+        return prompts
+    from inferd.bench.prompts import synthetic_prompt
+    from inferd.loader import load_model
+
+    tok = load_model(args.tokenizer, verbose=False).tokenizer  # None: the default model's
+    n = args.num_prompts or 64
+    return [Prompt(tok.decode(synthetic_prompt(tok, args.input_len, seed=args.seed + i)), args.output_len)
+            for i in range(n)]  # fmt: skip
+
+
+def _server_model(args: argparse.Namespace) -> str:
+    """`--model`, or the first model the server lists; a clear error if the server is not there."""
+    try:
+        r = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise BenchServeError(
+            f"cannot reach the server at {args.base_url}: {type(e).__name__}: {e}"
+        ) from e
+    if args.model:
+        return args.model
+    data = r.json().get("data") or []
+    if not data:
+        raise BenchServeError(f"{args.base_url}/v1/models lists no model; pass --model")
+    return data[0]["id"]
+
+
+def _plot(points: list[dict], plot_dir: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "note: matplotlib is not installed; no plots (pip install matplotlib)", file=sys.stderr
+        )
+        return
+    out = Path(plot_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots()
+    ax.plot([p["concurrency"] for p in points], [p["output_tps"] for p in points], marker="o")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs concurrency")
+    fig.savefig(out / "throughput_vs_concurrency.png")
+    plt.close(fig)
+    for key, label in (
+        ("ttft", "TTFT"),
+        ("itl", "inter-token latency"),
+        ("e2e", "end-to-end latency"),
+    ):
+        fig, ax = plt.subplots()
+        for p in points:
+            xs = np.sort(np.asarray(p["_raw"][key]) * 1000)
+            if len(xs):
+                ax.plot(
+                    xs, np.arange(1, len(xs) + 1) / len(xs), label=f"concurrency {p['concurrency']}"
+                )
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("CDF")
+        ax.legend()
+        fig.savefig(out / f"{key}_cdf.png")
+        plt.close(fig)
+    print(f"plots written to {out}/", file=sys.stderr)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def run_serve(args: argparse.Namespace) -> dict:
+    if args.num_prompts is not None and args.duration is not None:
+        raise BenchServeError("give --num-prompts or --duration, not both")
+    if args.num_prompts is None and args.duration is None:
+        args = argparse.Namespace(**{**vars(args), "num_prompts": 100})
+    sweep = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if not sweep or min(sweep) < 1:
+        raise BenchServeError(f"--concurrency must be positive integers, got {args.concurrency!r}")
+    model = _server_model(args)
+    prompts = _load_prompts(args)
+    points = []
+    for c in sweep:
+        results, secs = asyncio.run(_run_point(args, model, prompts, c))
+        points.append(_summarize(args, c, results, secs))
+        if points[-1]["completed"] == 0:
+            raise BenchServeError(
+                f"every request failed at concurrency {c}: {points[-1]['errors']}"
+            )
+    print(f"\nserver {args.base_url}, model {model}, endpoint {args.endpoint}, "
+          f"{'dataset ' + args.dataset if args.dataset else f'{args.input_len} in / {args.output_len} out'}")  # fmt: skip
+    head = (f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'tot tok/s':>9} "
+            f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99':>15} {'ITL p50/p99':>15} {'E2E p50/p99 ms':>17} {'goodput':>7}")  # fmt: skip
+    print(head)
+    for p in points:
+        pair = {
+            k: f"{_fmt(p[k]['p50'])}/{_fmt(p[k]['p99'])}"
+            for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+        }
+        print(f"{p['concurrency']:>5} {p['completed']:>5} {p['failed']:>4} {p['requests_per_s']:>7.2f} "
+              f"{p['output_tps']:>9.1f} {p['total_tps']:>9.1f} {pair['ttft_ms']:>17} {pair['tpot_ms']:>15} "
+              f"{pair['itl_ms']:>15} {pair['e2e_ms']:>17} {_fmt(p['goodput_rps']):>7}")  # fmt: skip
+    if args.plot_dir and len(points) > 1:
+        _plot(points, args.plot_dir)
+    report = {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
+              "input_len": None if args.dataset else args.input_len, "output_len": args.output_len,
+              "dataset": args.dataset, "ignore_eos": args.ignore_eos, "seed": args.seed,
+              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+              "points": [{k: v for k, v in p.items() if k != "_raw"} for p in points]}  # fmt: skip
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return report
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--tokenizer", default=None,
+                   help="model path whose tokenizer sizes synthetic prompts (default: inferd's default model)")  # fmt: skip
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per point (default 100)")
+    p.add_argument(
+        "--duration", type=float, default=None, help="seconds per point instead of a count"
+    )
+    p.add_argument("--concurrency", default="1", help="max in flight; a comma list is a sweep")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second"
+    )
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", default=None, help='JSONL with "prompt" and optional "output_len"')
+    p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos extra")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--result-file", default=None)
+    p.add_argument("--plot-dir", default=None, help="PNG plots for a sweep (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_serve)

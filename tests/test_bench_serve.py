@@ -1,0 +1,48 @@
+"""`inferd bench serve` against a real `inferd serve`: every request streamed, timed and counted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from test_server_utils import SMALL_ENGINE, RemoteServer, free_port
+
+from inferd.cli import main
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    srv = RemoteServer(*SMALL_ENGINE)
+    yield srv
+    srv.close()
+
+
+def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> None:
+    result_file = tmp_path / "out.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
+            "--concurrency", "1,4", "--input-len", "32", "--output-len", "8", "--ignore-eos",
+            "--slo-ttft-ms", "60000", "--result-file", str(result_file),
+            "--plot-dir", str(tmp_path / "plots")]  # fmt: skip
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads(last)
+    assert json.loads(result_file.read_text()) == report
+    assert [p["concurrency"] for p in report["points"]] == [1, 4]
+    for p in report["points"]:
+        assert p["completed"] == 8 and p["failed"] == 0, p["errors"]
+        assert p["output_tokens_per_request"] == [8] * 8  # ignore_eos: exactly max_tokens
+        assert p["prompt_tokens"] >= 8 * 32
+        assert p["output_tps"] > 0 and p["total_tps"] > p["output_tps"] and p["requests_per_s"] > 0
+        assert p["goodput_rps"] == pytest.approx(p["requests_per_s"])  # a 60 s TTFT SLO: all meet it
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = p[key]
+            assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
+        assert p["ttft_ms"]["p99"] <= p["e2e_ms"]["p99"]
+
+
+def test_wrong_base_url_is_a_clear_error(capsys) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["bench", "serve", "--base-url", url, "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the server" in err and url in err
