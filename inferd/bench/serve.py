@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import sys
@@ -283,6 +284,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     sweep = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if not sweep or min(sweep) < 1:
         raise BenchServeError(f"--concurrency must be positive integers, got {args.concurrency!r}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     model = _server_model(args)
     prompts = _load_prompts(args)
     points = []
