@@ -43,7 +43,7 @@ def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int,
     ql, cl = q_lens.view(-1, 1, 1), ctxs.view(-1, 1, 1)
     mask = ((j <= cl - ql + i) | ((i >= ql) & (j == 0))).unsqueeze(1)
     common = dict(token_rows=torch.tensor(token_rows), padded_index=torch.tensor(padded_index),
-                  block_tables=padded, num_seqs=len(shapes), q_max=q_max, is_whole_batch=False)  # fmt: skip
+                  block_tables=padded, q_max=q_max, is_whole_batch=False)  # fmt: skip
     sdpa = PaddedGroup(mask=mask, **common)
     kern = PaddedGroup(mask=None, kernel=extension(), row_start=torch.tensor(rows), q_lens=q_lens,
                        ctx_lens=ctxs, **common)  # fmt: skip

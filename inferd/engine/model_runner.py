@@ -135,7 +135,7 @@ class ModelRunner:
         if self.attention_kernel is not None and q_max <= KERNEL_MAX_QUERY:
             return PaddedGroup(
                 token_rows=self._tensor(token_rows), padded_index=self._tensor(padded_index),
-                block_tables=tables, mask=None, num_seqs=len(group), q_max=q_max,
+                block_tables=tables, mask=None, q_max=q_max,
                 is_whole_batch=False, kernel=self.attention_kernel,
                 row_start=self._tensor([r for r, _, _, _ in group]), q_lens=q_len, ctx_lens=ctx,
             )  # fmt: skip
@@ -151,7 +151,6 @@ class ModelRunner:
             padded_index=self._tensor(padded_index),
             block_tables=tables,
             mask=mask.unsqueeze(1),
-            num_seqs=len(group),
             q_max=q_max,
             is_whole_batch=whole,
         )

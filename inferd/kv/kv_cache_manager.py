@@ -29,13 +29,6 @@ class KVCacheManager:
         self._num_cached_blocks: dict[int, int] = {}  # blocks [0, n) of a table are in the tree
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
 
-    @property
-    def num_tokens_capacity(self) -> int:
-        return self.pool.num_blocks * self.block_size
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes)."""
         return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, touch=False)) * self.block_size

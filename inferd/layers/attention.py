@@ -41,7 +41,6 @@ class PaddedGroup:
     padded_index: torch.Tensor  # [N] int64 positions in the [B * q_max] padded layout
     block_tables: torch.Tensor  # [B, max_blocks] int64 (padding points at block 0, masked)
     mask: torch.Tensor | None  # [B, 1, q_max, max_blocks * block_size] bool (SDPA path only)
-    num_seqs: int
     q_max: int
     is_whole_batch: bool  # rows are exactly 0..T-1 in padded order (pure decode): no scatter
     # For the C++ kernel (reads K/V in place; None: use the gather + SDPA path):

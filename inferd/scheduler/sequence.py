@@ -51,7 +51,6 @@ class Sequence:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
-    first_token_time: float | None = None
     # Structured output: the sequence's grammar matcher (inferd.structured.GrammarMatcher).
     matcher: Any = None
 
