@@ -97,6 +97,71 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON shape): who proposes draft tokens and how many."""
+
+    method: str  # ngram (prompt lookup) | draft_model | eagle (a learned draft head)
+    num_speculative_tokens: int = 3  # the most draft tokens per sequence per step (k)
+    model: str | None = None  # draft_model: GGUF / HF dir; eagle: the head's directory
+    # ngram: the longest and shortest suffix matched against the context.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # Speculation stops while more than this many sequences decode. None: the engine measures at
+    # start-up where verifying k tokens stops being nearly free and decides from the running
+    # acceptance length.
+    disable_by_batch_size: int | None = None
+    # draft_model only: its weights' --quantization (default: the target's).
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"--speculative-config: {msg}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            bad(f'method "{self.method}" needs "model" (a path)')
+        if self.method == "ngram" and self.model is not None:
+            bad('method "ngram" takes no "model"')
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            bad(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo}, {hi}")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            bad(f"disable_by_batch_size must be an integer >= 1, got {b!r}")
+        if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
+            bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict, or None (speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError('--speculative-config needs "method" (ngram, draft_model or eagle)')
+        return cls(**value)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the CLI or `LLM(...)`."""
@@ -114,6 +179,7 @@ class EngineConfig:
     log_stats_interval: float = 10.0
     # Seconds a structured-output grammar may take to compile before its request fails.
     structured_output_timeout: float = 30.0
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):

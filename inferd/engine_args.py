@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from inferd.config import CacheConfig, EngineConfig, SchedulerConfig
+from inferd.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     g.add_argument("--structured-output-timeout", type=float, default=30.0,
                    help="seconds a JSON schema / regex / grammar may take to compile")  # fmt: skip
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), '
+                        'draft_model ("model": path), eagle ("model": a trained head\'s directory)')  # fmt: skip
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between engine stats log lines (0: off)")  # fmt: skip
 
@@ -76,4 +80,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         log_stats_interval=args.log_stats_interval,
         structured_output_timeout=args.structured_output_timeout,
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )

@@ -26,9 +26,13 @@ from inferd.models import build_model
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes
 from inferd.sampling.params import SamplingParams
-from inferd.sampling.sampler import Sampler
+from inferd.sampling.rejection import verify
+from inferd.sampling.sampler import Sampler, TokenLogprob
 from inferd.scheduler.scheduler import Scheduler
 from inferd.scheduler.sequence import Logprob, Sequence
+from inferd.spec.calibrate import measure_verify_cost
+from inferd.spec.policy import SpecPolicy
+from inferd.spec.proposer import build_proposer
 from inferd.structured.backend import GrammarError
 from inferd.structured.manager import StructuredOutputManager
 
@@ -113,6 +117,15 @@ class EngineCore:
         self.weight_bytes = resident_weight_bytes(model)
         self._structured: StructuredOutputManager | None = None  # built on first use (~0.3 s)
         self._structured_lock = threading.Lock()
+        self.proposer = build_proposer(self)
+        self.spec_policy: SpecPolicy | None = None
+        if self.proposer is not None:
+            spec = config.speculative
+            k = spec.num_speculative_tokens
+            cost = measure_verify_cost(self.runner, k, min(config.scheduler.max_num_seqs, 64), mcfg.vocab_size,
+                                       context=max(1, min(128, self.max_model_len - k - 1)))  # fmt: skip
+            self.spec_policy = SpecPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size, cost)
+            self.stats.spec_method = spec.method
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
@@ -237,7 +250,7 @@ class EngineCore:
         for seq in state.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -245,45 +258,136 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
+        propose_seconds = self._propose()
         out = self.scheduler.schedule()
         if out.is_empty:
             self._refresh_stats()
             return []
-        # Grammar masks of the sequences that sample this step, filled while the forward runs.
-        will_sample = [s for s, n in out.scheduled if s.num_computed_tokens + n == s.num_tokens]
+        step_start = time.perf_counter()
+        # Grammar masks of the sequences that sample one token this step, filled while the
+        # forward runs (sequences with grammars never speculate).
+        will_sample = [s for s, n in out.scheduled
+                       if s.num_computed_tokens + n == s.num_tokens and not s.spec_token_ids]  # fmt: skip
         masks = None
         if self._structured is not None and any(s.matcher is not None for s in will_sample):
             masks = self._structured.fill_async([s.matcher for s in will_sample])
-        logits, batch = self.runner.execute(out)
+        logits, hidden, batch = self.runner.execute(out)
         for seq, n in out.scheduled:
+            if seq.spec_token_ids:
+                continue  # a verification: advanced below, once the accepted drafts are known
             # Prefill work (prompt, or recomputation after preemption) vs. a plain decode step.
             is_prefill = n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
             self.stats.prompt_tokens_total += n if is_prefill else 0
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, seq in enumerate(batch.sample_seqs):
-            rows.append(row)
-            seqs.append(seq)
-            if seq.pending_forks:
-                for child in self._fork(seq):
-                    rows.append(row)
-                    seqs.append(child)
-        bitmask = masks.result() if masks is not None else None
-        if bitmask is not None and len(batch.sample_seqs) != len(will_sample):  # never expected
-            bitmask = self.structured.fill([s.matcher for s in batch.sample_seqs])
-        result = self.sampler(logits, rows, seqs, bitmask)
-
-        now = time.monotonic()
-        deltas: list[SequenceDelta] = []
-        for i, seq in enumerate(seqs):
-            deltas.append(self._append_token(seq, result.token_ids[i], result.logprobs[i], now))
-        self.stats.generation_tokens_total += len(seqs)
+        # Rows of the logits: each sampling sequence owns sample_counts[i] consecutive ones.
+        plain_rows: list[int] = []  # logits rows of sequences sampling one token
+        plain_seqs: list[Sequence] = []
+        spec_rows: list[int] = []
+        spec_seqs: list[Sequence] = []
+        row = 0
+        for seq, count in zip(batch.sample_seqs, batch.sample_counts):
+            if seq.spec_token_ids:
+                spec_rows.extend(range(row, row + count))
+                spec_seqs.append(seq)
+            else:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+            row += count
+        now_deltas = self._sample_plain(logits, hidden, plain_rows, plain_seqs, batch, will_sample, masks)
+        deltas = now_deltas + self._verify(logits, hidden, spec_rows, spec_seqs)
+        if self.spec_policy is not None and spec_seqs:
+            drafts = sum(len(s.spec_token_ids) for s in spec_seqs)
+            self.spec_policy.record_proposer_time(propose_seconds, len(spec_seqs), drafts,
+                                                  time.perf_counter() - step_start)  # fmt: skip
+        for seq in spec_seqs:
+            seq.set_drafts([])
         self._refresh_stats()
         self.stats_logger.maybe_log(self.stats)
         return deltas
+
+    def _sample_plain(self, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int],
+                      seqs: list[Sequence], batch, will_sample: list[Sequence], masks) -> list[SequenceDelta]:  # fmt: skip
+        """Sequences that sample one token (decodes, ends of prefills; forks of n > 1 here)."""
+        if not seqs:
+            return []
+        if len(rows) != logits.shape[0]:  # verification rows are in the batch too
+            index = torch.tensor(rows, device=logits.device)
+            logits, hidden = logits[index], hidden[index]
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for r, seq in enumerate(seqs):
+            sample_rows.append(r)
+            sample_seqs.append(seq)
+            if seq.pending_forks:
+                for child in self._fork(seq):
+                    sample_rows.append(r)
+                    sample_seqs.append(child)
+        bitmask = masks.result() if masks is not None else None
+        if bitmask is not None and seqs != will_sample:  # never expected
+            bitmask = self.structured.fill([s.matcher for s in seqs])
+        result = self.sampler(logits, sample_rows, sample_seqs, bitmask)
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self.proposer.observe(sample_seqs, hidden[torch.tensor(sample_rows, device=hidden.device)])
+        now = time.monotonic()
+        self.stats.generation_tokens_total += len(sample_seqs)
+        return [self._append_tokens(seq, [tok], [lp], now)
+                for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
+
+    def _verify(self, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int],
+                seqs: list[Sequence]) -> list[SequenceDelta]:  # fmt: skip
+        """Sequences that verified draft tokens: keep the accepted ones plus the target's next
+        token, and roll the KV of the rejected ones back."""
+        if not seqs:
+            return []
+        index = torch.tensor(rows, device=logits.device)
+        results = verify(logits[index], seqs, self.eos_token_ids, self.model_config.vocab_size)
+        now = time.monotonic()
+        deltas: list[SequenceDelta] = []
+        last_rows: list[int] = []  # per sequence: the row of its last accepted token
+        offset = 0
+        stats = self.stats
+        for seq, res in zip(seqs, results):
+            k = len(seq.spec_token_ids)
+            # The last real token and the accepted drafts now have K/V; the rest is rolled back.
+            seq.num_computed_tokens += 1 + res.num_accepted
+            self.spec_policy.record(seq, k, res.num_accepted)
+            stats.spec_num_drafts += 1
+            stats.spec_draft_tokens += k
+            stats.spec_accepted_tokens += res.num_accepted
+            delta = self._append_tokens(seq, res.token_ids, res.logprobs, now)
+            stats.spec_emitted_tokens += len(delta.new_token_ids)
+            stats.generation_tokens_total += len(delta.new_token_ids)
+            deltas.append(delta)
+            if not seq.is_finished:
+                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            last_rows.append(rows[offset + res.num_accepted])
+            offset += k + 1
+        if self.proposer.needs_hidden:
+            self.proposer.observe(seqs, hidden[torch.tensor(last_rows, device=hidden.device)])
+        return deltas
+
+    def _propose(self) -> float:
+        """Ask the proposer for drafts for the running decodes the policy lets speculate;
+        returns the seconds it took."""
+        if self.proposer is None:
+            return 0.0
+        start = time.perf_counter()
+        decoding = [s for s in self.scheduler.running
+                    if s.num_uncomputed == 1 and s.num_output_tokens > 0]  # fmt: skip
+        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks]
+        ks = self.spec_policy.depths(eligible, len(decoding))
+        chosen, depths = [], []
+        for seq, k in zip(eligible, ks):
+            k = min(k, self.max_model_len - seq.num_tokens - 1)
+            if k > 0:
+                chosen.append(seq)
+                depths.append(k)
+        if chosen:
+            self.proposer.propose(chosen, depths)
+        return time.perf_counter() - start
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: children share the parent's prompt blocks and sample their own first token."""
@@ -299,27 +403,51 @@ class EngineCore:
         parent.pending_forks = 0
         return children
 
-    def _append_token(
+    def _append_tokens(
         self,
         seq: Sequence,
-        token: int,
-        logprob: tuple[float, int, list[tuple[int, float]]] | None,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
         now: float,
     ) -> SequenceDelta:
+        """Append the step's tokens one by one (several after a verification), stopping at the
+        first that ends the sequence; the rest are dropped. One delta for all of them."""
         state = self.requests[seq.request_id]
-        p = seq.params
-        seq.token_ids.append(token)
+        detok = state.detoks[seq.seq_id]
+        appended: list[int] = []
+        new_logprobs: list[dict[int, Logprob]] = []
+        for token, logprob in zip(tokens, logprobs):
+            appended.append(token)
+            self._append_one(state, seq, detok, token, logprob, new_logprobs)
+            if seq.finish_reason is not None:
+                break
+        if seq.finish_reason is not None:
+            self._finish(seq)
+            self.stats.requests_finished_total += state.finished
+            if state.finished:
+                state.metrics.finished_time = now
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
             state.metrics.num_cached_tokens = seq.num_cached_tokens
-        new_logprobs: list[dict[int, Logprob]] = []
+        return SequenceDelta(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=appended,
+            text_delta=detok.delta(seq.finish_reason is not None),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            new_logprobs=new_logprobs,
+        )
+
+    def _append_one(self, state: _RequestState, seq: Sequence, detok: IncrementalDetokenizer,
+                    token: int, logprob: TokenLogprob | None, new_logprobs: list) -> None:  # fmt: skip
+        p = seq.params
+        seq.token_ids.append(token)
         if logprob is not None and seq.logprobs is not None:
             entry = self._logprob_entry(token, *logprob)
             seq.logprobs.append(entry)
             seq.cumulative_logprob += logprob[0]
             new_logprobs.append(entry)
-
-        detok = state.detoks[seq.seq_id]
         stop_str = detok.add_token(token)
         grammar_done = seq.matcher is not None and seq.matcher.advance(token)
         can_stop = seq.num_output_tokens >= p.min_tokens
@@ -335,20 +463,11 @@ class EngineCore:
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
-            self.stats.requests_finished_total += state.finished
-            if state.finished:
-                state.metrics.finished_time = now
-        return SequenceDelta(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=[token],
-            text_delta=detok.delta(seq.finish_reason is not None),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            new_logprobs=new_logprobs,
-        )
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _logprob_entry(self, token: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
@@ -411,6 +530,8 @@ class EngineCore:
         cached = set(self.kv.prefix_cache.blocks())
         for b, rc in enumerate(self.kv.pool.ref_counts):
             assert rc == 0 or (rc == 1 and b in cached), f"block {b}: ref {rc}, cached {b in cached}"
+        if self.proposer is not None:
+            self.proposer.check_no_leaks()
         assert self.reset_prefix_cache(), "prefix cache could not be flushed"
         assert self.kv.pool.num_free == self.kv.pool.num_blocks, (
             f"{self.kv.pool.num_blocks - self.kv.pool.num_free} KV blocks leaked"

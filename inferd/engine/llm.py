@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from inferd.config import CacheConfig, EngineConfig, SchedulerConfig
+from inferd.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from inferd.engine.core import EngineCore, RequestError
 from inferd.engine.outputs import RequestOutput
 from inferd.engine.stats import EngineStats
@@ -64,6 +64,7 @@ class LLM:
         chat_template: str | None = None,
         log_stats_interval: float = 0.0,
         structured_output_timeout: float = 30.0,
+        speculative_config: dict[str, Any] | str | None = None,
         verbose: bool = True,
         loaded: Any = None,
     ) -> None:
@@ -83,6 +84,7 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),  # fmt: skip
             log_stats_interval=log_stats_interval,
             structured_output_timeout=structured_output_timeout,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
         self.engine = EngineCore(config, loaded=loaded, verbose=verbose)
         if chat_template is not None:

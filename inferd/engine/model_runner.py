@@ -2,7 +2,9 @@
 
 The step's batch is flat: every scheduled sequence contributes tokens [num_computed, num_computed + n)
 with their positions and cache slots. Only the rows whose sequence has no uncomputed tokens left
-after this step (the end of a prefill, or a decode) produce logits.
+after this step (the end of a prefill, or a decode) produce logits. A decode verifying k draft
+tokens contributes its last token followed by the drafts (q_len = 1 + k) and produces 1 + k rows
+of logits: row i is the target's distribution after draft i (row 0: after the last real token).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of the flat batch whose logits each sampling sequence uses
+    sample_rows: list[int]  # rows of the flat batch whose logits the sampling sequences use
     sample_seqs: list[Sequence]
+    # Per sampling sequence, how many consecutive sample_rows are its own: 1, or 1 + k drafts.
+    sample_counts: list[int]
 
 
 class ModelRunner:
@@ -89,12 +93,16 @@ class ModelRunner:
         prefills: list[PrefillSlice] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        sample_counts: list[int] = []
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
             table = self.kv.block_tables[seq.seq_id]
+            num_tokens = seq.num_tokens
             input_ids.extend(seq.token_ids[start:end])
+            if end > num_tokens:  # draft tokens to verify follow the last real token
+                input_ids.extend(seq.spec_token_ids[: end - num_tokens])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n <= PADDED_GROUP_MAX_QUERY:
@@ -107,9 +115,11 @@ class ModelRunner:
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
                 block_table = self._tensor(table[: (end + bs - 1) // bs])
                 prefills.append(PrefillSlice(row0, row0 + n, end, block_table, mask))
-            if end == seq.num_tokens:
-                sample_rows.append(row0 + n - 1)
+            if end >= num_tokens:
+                first = row0 + num_tokens - 1 - start
+                sample_rows.extend(range(first, row0 + n))
                 sample_seqs.append(seq)
+                sample_counts.append(row0 + n - first)
 
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
@@ -118,7 +128,7 @@ class ModelRunner:
             prefills=prefills,
         )
         return StepBatch(self._tensor(input_ids), self._tensor(positions), meta, sample_rows,
-                         sample_seqs)  # fmt: skip
+                         sample_seqs, sample_counts)  # fmt: skip
 
     def _padded_group(self, group: list[tuple[int, int, int, list[int]]], num_rows: int) -> PaddedGroup:
         bs = self.block_size
@@ -156,8 +166,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepBatch]:
-        """Run the step's forward pass; returns logits [num_sampling_seqs, vocab] (fp32)."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
+        final hidden states of the same rows (a learned draft head reads them)."""
         copies = self.kv.take_pending_copies()
         if copies:
             src = self._tensor([s for s, _ in copies])
@@ -166,6 +177,10 @@ class ModelRunner:
         batch = self.prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:
-            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32), batch
-        logits = self.model.compute_logits(hidden[self._tensor(batch.sample_rows)])
-        return logits, batch
+            empty = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+            return empty, hidden[:0], batch
+        if batch.sample_rows == list(range(hidden.shape[0])):
+            rows = hidden  # every row samples (pure decode): no gather
+        else:
+            rows = hidden[self._tensor(batch.sample_rows)]
+        return self.model.compute_logits(rows), rows, batch

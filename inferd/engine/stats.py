@@ -25,11 +25,27 @@ class EngineStats:
     num_cached_blocks: int = 0  # blocks the prefix cache holds
     prompt_throughput: float = 0.0  # tokens/s over the last logging interval
     generation_throughput: float = 0.0
+    # Speculative decoding ("" when off): verification steps, draft tokens proposed / accepted,
+    # and tokens emitted by verification steps (accepted drafts + the target's own token).
+    spec_method: str = ""
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queries_total
         return self.prefix_cache_hits_total / q if q else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verification step (accepted drafts + 1), vLLM's "mean acceptance length"."""
+        return self.spec_emitted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -65,3 +81,11 @@ class StatsLogger:
                 stats.num_waiting, stats.num_preemptions_total, 100 * stats.kv_cache_usage,
                 100 * stats.prefix_cache_hit_rate,
             )  # fmt: skip
+            if stats.spec_method:
+                logger.info(
+                    "Speculative decoding (%s): mean acceptance length %.2f, acceptance rate "
+                    "%.1f%%, drafts %d, draft tokens %d, accepted %d",
+                    stats.spec_method, stats.spec_mean_acceptance_length,
+                    100 * stats.spec_acceptance_rate, stats.spec_num_drafts,
+                    stats.spec_draft_tokens, stats.spec_accepted_tokens,
+                )  # fmt: skip

@@ -75,6 +75,18 @@ class KVCacheManager:
             self.prefix_cache.insert(token_ids, self.block_tables[seq_id], start, full)
             self._num_cached_blocks[seq_id] = full
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the blocks covering positions [0, num_tokens): speculative KV written for
+        rejected draft tokens past them goes back to the pool."""
+        table = self.block_tables.get(seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.decref(reversed(table[keep:]))
+        del table[keep:]
+        if self._num_cached_blocks.get(seq_id, 0) > keep:
+            self._num_cached_blocks[seq_id] = keep
+
     def slot(self, seq_id: int, position: int) -> int:
         return self.block_tables[seq_id][position // self.block_size] * self.block_size + (
             position % self.block_size

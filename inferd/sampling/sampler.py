@@ -16,11 +16,26 @@ from inferd.sampling.processors import apply_processors
 from inferd.structured.manager import apply_bitmask
 
 
+# A sampled token's (logprob, rank, [(token, logprob)] of the top ones).
+TokenLogprob = tuple[float, int, list[tuple[int, float]]]
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
-    # Per sequence: (sampled token logprob, rank, [(token, logprob)] top-k) or None if not asked.
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # Per sequence: the sampled token's TokenLogprob, or None if not asked.
+    logprobs: list[TokenLogprob | None]
+
+
+def token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """`row`: log-softmax of the raw logits (what OpenAI's logprobs report)."""
+    lp = row[token].item()
+    rank = int((row > lp).sum().item()) + 1
+    top: list[tuple[int, float]] = []
+    if num_top:
+        vals, idx = row.topk(num_top)
+        top = list(zip(idx.tolist(), vals.tolist()))
+    return lp, rank, top
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -69,42 +84,45 @@ class Sampler:
             tokens[random_rows] = self._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
         token_list = tokens.tolist()
 
-        logprob_out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(seqs)
+        logprob_out: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):
-                if not want_logprobs[i]:
-                    continue
-                row = raw_logprobs[i]
-                tok = token_list[i]
-                lp = row[tok].item()
-                rank = int((row > lp).sum().item()) + 1
-                top: list[tuple[int, float]] = []
-                if seq.params.logprobs:
-                    vals, idx = row.topk(seq.params.logprobs)
-                    top = list(zip(idx.tolist(), vals.tolist()))
-                logprob_out[i] = (lp, rank, top)
+                if want_logprobs[i]:
+                    logprob_out[i] = token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
         return SampleResult(token_list, logprob_out)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([s.params.temperature for s in seqs], device=dev, dtype=logits.dtype)
-        logits = logits / temps.unsqueeze(1)
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=logits.dtype)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            logits = _filter_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
-        if bool((min_p > 0).any()):
-            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential-race sampling: argmax(p / E), E ~ Exp(1), picks token i with probability
-        # p_i. Each seeded row draws E from its own generator: reproducible whatever the batch.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
+        return race(sampling_distribution(logits, seqs), seqs)
+
+
+def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k / top-p, then min-p.
+    Rows are processed logits of non-greedy sequences (anything with `.params`)."""
+    dev = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=dev, dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=logits.dtype)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # a distribution again (verification needs it)
+    return probs
+
+
+def race(probs: torch.Tensor, seqs: list) -> torch.Tensor:
+    """One token per row of `probs` (unnormalized is fine). Exponential-race sampling:
+    argmax(p / E), E ~ Exp(1), picks token i with probability p_i / sum(p). Each seeded row draws
+    E from its sequence's own generator: reproducible whatever else is in the batch."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, s in enumerate(seqs):
+        if s.generator is not None:
+            noise[i].exponential_(generator=s.generator)
+    return (probs / noise).argmax(dim=-1)

@@ -1,6 +1,7 @@
 """Continuous batching under a token budget: which sequences run this step and with how many tokens.
 
-Each step: running decodes first (one token each, so a long prompt never starves them), then
+Each step: running decodes first (one token each, or 1 + k when verifying k speculative draft
+tokens; so a long prompt never starves them), then
 running partial prefills, then waiting sequences by (priority, arrival). A prefill takes at most
 what is left of the budget (chunked prefill). When the KV pool is full the lowest-priority running
 sequence is preempted: its blocks are freed and it is recomputed later (prompt + what it generated),
@@ -64,6 +65,10 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
+        if seq.spec_token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
+            n = min(1 + len(seq.spec_token_ids), budget)
+            seq.trim_drafts(n - 1)
+            return n
         n = min(seq.num_uncomputed, budget)
         if self.config.long_prefill_token_threshold is not None:
             n = min(n, self.config.long_prefill_token_threshold)
@@ -72,6 +77,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
+        seq.set_drafts([])
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -53,6 +53,11 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     # Structured output: the sequence's grammar matcher (inferd.structured.GrammarMatcher).
     matcher: Any = None
+    # Speculative decoding: draft tokens proposed to follow token_ids, verified this step, and
+    # the draft's distributions they were sampled from ([k, vocab]; None: chosen deterministically).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    spec_state: Any = None  # the speculation policy's per-sequence record (inferd.spec.policy)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +78,17 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None) -> None:
+        self.spec_token_ids = token_ids
+        self.spec_probs = probs
+
+    def trim_drafts(self, k: int) -> None:
+        """Keep the first k draft tokens (the step's token budget had no room for the rest)."""
+        if len(self.spec_token_ids) > k:
+            self.spec_token_ids = self.spec_token_ids[:k]
+            if self.spec_probs is not None:
+                self.spec_probs = self.spec_probs[:k]
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -120,6 +120,23 @@ class _EngineGauges(Collector):
         )
         c.add_metric(labels, s.num_preemptions_total)
         yield c
+        if s.spec_method:  # speculative decoding on: its counters, labelled by proposer method
+            for name, doc, value in (
+                ("spec_decode_num_drafts", "Verification steps of speculative drafts.", s.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens),
+                ("spec_decode_num_emitted_tokens",
+                 "Tokens emitted by verification steps (accepted drafts + one of the target's).",
+                 s.spec_emitted_tokens),
+            ):  # fmt: skip
+                c = CounterMetricFamily(f"inferd:{name}", doc, labels=["model_name", "method"])
+                c.add_metric([self.model_name, s.spec_method], value)
+                yield c
+            g = GaugeMetricFamily("inferd:spec_decode_mean_acceptance_length",
+                                  "Tokens per verification step since start (accepted drafts + 1).",
+                                  labels=["model_name", "method"])  # fmt: skip
+            g.add_metric([self.model_name, s.spec_method], s.spec_mean_acceptance_length)
+            yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,132 @@
+"""Verification of speculative draft tokens: which drafts the target accepts, and the token that
+follows them. Lossless by construction:
+
+- greedy sequences accept a draft while it equals the target's argmax; the first mismatch (or,
+  when all k are accepted, the bonus row) emits the target's own token — exactly what decoding one
+  token at a time would produce;
+- sampling sequences use rejection sampling (Leviathan et al., 2023): draft x_i drawn from q_i is
+  kept with probability min(1, p_i(x) / q_i(x)); on the first rejection the token is drawn from
+  norm(max(0, p_i - q_i)). A deterministic proposer (prompt lookup, greedy draft heads) is a
+  point-mass q: keep with probability p_i(x), else draw from p_i with x removed. Each emitted
+  token is then distributed exactly as p, the target's distribution after every logits
+  processor, temperature, top-k / top-p and min-p — applied to draft rows as if each draft had
+  already been generated (penalties see the drafts before it, min_tokens counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.sampling.processors import apply_processors
+from inferd.sampling.sampler import TokenLogprob, race, sampling_distribution, token_logprob
+from inferd.scheduler.sequence import Sequence
+
+
+class DraftView:
+    """A sequence as it would be after `extra` more generated tokens: what the logits processors
+    read (params, token history, output count) for a row that follows some draft tokens."""
+
+    __slots__ = ("seq", "extra")
+
+    def __init__(self, seq: Sequence, extra: list[int]) -> None:
+        self.seq = seq
+        self.extra = extra
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.extra if self.extra else self.seq.token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.extra)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.extra
+
+
+@dataclass(slots=True)
+class Verified:
+    token_ids: list[int]  # accepted drafts followed by one token of the target's own
+    logprobs: list[TokenLogprob | None]
+    num_accepted: int
+
+
+def draft_views(seq: Sequence) -> list[DraftView]:
+    """One view per verification row: row i follows the first i drafts."""
+    drafts = seq.spec_token_ids
+    return [DraftView(seq, drafts[:i]) for i in range(len(drafts) + 1)]
+
+
+def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
+    return torch.rand((), generator=gen, device=device).item()
+
+
+def verify(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int
+) -> list[Verified]:
+    """logits: [sum(1 + k_s), V] fp32, each sequence's 1 + k rows in order; `seq.spec_token_ids`
+    are its drafts and `seq.spec_probs` the draft distributions (None: deterministic drafts)."""
+    if logits.shape[-1] > vocab_size:
+        logits = logits[:, :vocab_size]
+    views = [v for s in seqs for v in draft_views(s)]
+    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    processed = apply_processors(logits, views, eos_token_ids)
+    targets = processed.argmax(dim=-1).tolist()
+    random_rows = [i for i, v in enumerate(views) if not v.params.greedy]
+    probs = None
+    if random_rows:
+        probs = torch.zeros_like(processed)
+        probs[random_rows] = sampling_distribution(processed[random_rows], [views[i] for i in random_rows])
+
+    results: list[Verified] = []
+    row = 0
+    for seq in seqs:
+        drafts = seq.spec_token_ids
+        k = len(drafts)
+        if seq.params.greedy:
+            m = 0
+            while m < k and drafts[m] == targets[row + m]:
+                m += 1
+            tokens = drafts[:m] + [targets[row + m]]
+        else:
+            tokens = _rejection_sample(probs[row : row + k + 1], seq, drafts)
+            m = len(tokens) - 1
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if raw_logprobs is not None and seq.params.logprobs is not None:
+            logprobs = [token_logprob(raw_logprobs[row + i], t, seq.params.logprobs)
+                        for i, t in enumerate(tokens)]  # fmt: skip
+        results.append(Verified(tokens, logprobs, m))
+        row += k + 1
+    return results
+
+
+def _rejection_sample(p: torch.Tensor, seq: Sequence, drafts: list[int]) -> list[int]:
+    """p: [k + 1, V] the target's distributions for the rows of one sequence."""
+    q = seq.spec_probs
+    gen = seq.generator
+    for i, x in enumerate(drafts):
+        q_x = 1.0 if q is None else q[i, x].item()
+        p_x = p[i, x].item()
+        if q_x > 0 and _uniform(gen, p.device) * q_x < p_x:  # u < p/q, without dividing
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - q[i]).clamp_(min=0.0)
+        if not bool((residual > 0).any()):  # p == q up to rounding: nothing to correct
+            residual = p[i]
+        return drafts[:i] + [int(race(residual.unsqueeze(0), [seq])[0])]
+    return drafts + [int(race(p[len(drafts)].unsqueeze(0), [seq])[0])]

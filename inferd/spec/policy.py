@@ -1,0 +1,117 @@
+"""How many draft tokens each sequence verifies this step, and when speculation stops paying.
+
+A verification step of 1 + k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average when
+each draft is accepted with probability a (the sequence's running acceptance rate), and costs
+1 + (beta + delta) * k plain decode steps, where
+- beta: the extra cost of one more query token per sequence in the target's forward at the
+  current batch size — nearly 0 at batch 1 on a memory-bound machine, towards 1 when the batch is
+  large enough to be compute-bound (measured at start-up, inferd.spec.calibrate);
+- delta: what the proposer spends per draft token, relative to a target step (measured online).
+Each sequence takes the k in [0, k_max] that maximizes E(k) / cost(k); k = 0 (plain decoding)
+wins by itself when the batch grows or acceptance drops, and a sequence at k = 0 probes with one
+draft now and then so that its estimate can recover. `disable_by_batch_size` overrides the
+batch-size side: no speculation while more sequences than that decode.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from inferd.scheduler.sequence import Sequence
+
+_PRIOR_ACCEPTED, _PRIOR_TRIED = 1.4, 2.0  # a = 0.7 until a sequence has evidence of its own
+_DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
+_PROBE_EVERY = 8  # steps a sequence at k = 0 waits before trying one draft again
+
+
+@dataclass(slots=True)
+class SpecState:
+    accepted: float = _PRIOR_ACCEPTED  # decayed count of accepted drafts
+    tried: float = _PRIOR_TRIED  # ... of drafts the verifier looked at
+    steps_off: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verification of k drafts emits when each is accepted with probability a."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_depth(a: float, k_max: int, cost_per_draft: float) -> int:
+    best_k, best_rate = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(a, k) / (1.0 + cost_per_draft * k)
+        if rate > best_rate * 1.02:  # a margin: ties go to plain decoding
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class SpecPolicy:
+    def __init__(self, k_max: int, disable_by_batch_size: int | None,
+                 verify_cost: dict[int, float] | None = None) -> None:  # fmt: skip
+        self.k_max = k_max
+        self.disable_by_batch_size = disable_by_batch_size
+        # beta by batch size (sorted keys); empty: assume verification is free.
+        self.verify_cost = dict(sorted((verify_cost or {}).items()))
+        self._sizes = list(self.verify_cost)
+        self.proposer_cost = 0.0  # delta, an exponential moving average
+
+    def beta(self, batch_size: int) -> float:
+        if not self._sizes:
+            return 0.0
+        i = bisect.bisect_right(self._sizes, batch_size) - 1
+        if i < 0:
+            return self.verify_cost[self._sizes[0]]
+        if i == len(self._sizes) - 1:
+            return self.verify_cost[self._sizes[-1]]
+        lo, hi = self._sizes[i], self._sizes[i + 1]  # linear in between two measured sizes
+        t = (batch_size - lo) / (hi - lo)
+        return (1 - t) * self.verify_cost[lo] + t * self.verify_cost[hi]
+
+    def depths(self, seqs: list[Sequence], batch_size: int) -> list[int]:
+        """k per sequence for this step (0: no drafts); `batch_size`: sequences decoding."""
+        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
+            return [0] * len(seqs)
+        cost = self.beta(batch_size) + self.proposer_cost
+        ks = []
+        for seq in seqs:
+            state = seq.spec_state
+            if state is None:
+                state = seq.spec_state = SpecState()
+            k = best_depth(state.acceptance, self.k_max, cost)
+            if k == 0:
+                state.steps_off += 1
+                if state.steps_off % _PROBE_EVERY == 0:
+                    k = 1
+            else:
+                state.steps_off = 0
+            remaining = _remaining_tokens(seq)
+            ks.append(max(0, min(k, remaining - 1)))
+        return ks
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verification's outcome: drafts 1..num_accepted matched, the next one (if any) did not."""
+        state = seq.spec_state
+        if state is None or num_drafts == 0:
+            return
+        state.accepted = _DECAY * state.accepted + num_accepted
+        state.tried = _DECAY * state.tried + min(num_accepted + 1, num_drafts)
+
+    def record_proposer_time(self, seconds: float, num_seqs: int, num_drafts: int, step_seconds: float) -> None:
+        """The proposer took `seconds` for `num_drafts` tokens over `num_seqs` sequences; the step
+        that verified them took `step_seconds`. Per draft, per sequence, relative to the step."""
+        if num_drafts and step_seconds > 0:
+            sample = seconds / step_seconds * num_seqs / num_drafts
+            self.proposer_cost = 0.8 * self.proposer_cost + 0.2 * sample
+
+
+def _remaining_tokens(seq: Sequence) -> int:
+    """Tokens the sequence may still emit before max_tokens ends it."""
+    max_tokens = seq.params.max_tokens
+    return 1 << 30 if max_tokens is None else max_tokens - seq.num_output_tokens

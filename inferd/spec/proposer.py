@@ -1,0 +1,57 @@
+"""The proposer interface and its registry (one implementation per `--speculative-config` method)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+from inferd.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from inferd.engine.core import EngineCore
+
+
+class Proposer(ABC):
+    """Proposes draft tokens for decoding sequences. Contract:
+    - `propose` sets each sequence's drafts with `seq.set_drafts(tokens, probs)`, at most its `k`
+      (fewer or none is fine: a sequence with no drafts decodes one token as usual). `probs` are
+      the distributions the drafts were *sampled* from ([n, vocab]); None when they were chosen
+      deterministically (argmax, lookup) — the sampler's acceptance rule depends on it.
+    - `observe` receives, after every step, the final hidden state of each sampling sequence at
+      the position of its last accepted token (only if `needs_hidden`).
+    - `release` forgets a sequence that finished or was aborted; its resources go back.
+    """
+
+    method: str = ""
+    needs_hidden: bool = False
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> None: ...
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """hidden: [len(seqs), hidden_size]."""
+
+    def release(self, seq: Sequence) -> None:
+        """Called once when `seq` leaves the engine."""
+
+    def check_no_leaks(self) -> None:
+        """With no request in flight, nothing per-sequence is held."""
+
+
+def build_proposer(engine: EngineCore) -> Proposer | None:
+    spec = engine.config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from inferd.spec.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from inferd.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(engine, spec)
+    from inferd.spec.eagle import EagleProposer
+
+    return EagleProposer(engine, spec)

@@ -1,0 +1,240 @@
+"""Speculative decoding: lossless (greedy identical, sampling distribution unchanged), KV rolled
+back after rejections, policy and configuration, on tiny random models."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from tiny_models import TinySpec, with_seed, write_gguf
+
+from inferd import LLM, SamplingParams
+from inferd.config import SpeculativeConfig
+from inferd.sampling.rejection import verify
+from inferd.scheduler.sequence import Sequence
+from inferd.spec.ngram import lookup
+from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens
+
+KV = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def draft_gguf(tmp_path_factory):
+    """A tiny model with the target's tokenizer and other weights: drafts it proposes are
+    sometimes accepted, often not."""
+    return write_gguf(tmp_path_factory.mktemp("draft") / "draft.gguf", with_seed(TinySpec(), 7), quant="f32")
+
+
+def _llm(path, spec=None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", KV)
+    return LLM(str(path), dtype="float32", device="cpu", verbose=False, speculative_config=spec, **kw)
+
+
+def _prompts(tok) -> list[list[int]]:
+    text = "the cat sat on the mat and the cat sat on the hat so the cat"
+    base = tok.encode(text)
+    return [base, base[:7], list(range(5, 40)), tok.encode("a b c a b c a b"), base * 3]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2, min_tokens=3),
+        SamplingParams(temperature=0, max_tokens=26, ignore_eos=True, stop_token_ids=[17]),
+    ]
+
+
+def _run(llm: LLM) -> list[list[list[int]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(llm.get_tokenizer())], _params(),
+                        use_tqdm=False)  # fmt: skip
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_gguf):
+    """Outputs and logprobs without speculation, by KV pool size (it bounds max_model_len)."""
+    cache = {}
+
+    def get(kv_bytes: int = KV):
+        if kv_bytes not in cache:
+            llm = _llm(tiny_llama_gguf.path, kv_cache_memory=kv_bytes, max_num_batched_tokens=64)
+            prompts = [{"prompt_token_ids": p} for p in _prompts(llm.get_tokenizer())]
+            outs = llm.generate(prompts, _params(), use_tqdm=False)
+            cache[kv_bytes] = ([[o.token_ids for o in out.outputs] for out in outs],
+                               [out.outputs[0].logprobs for out in outs])  # fmt: skip
+        return cache[kv_bytes]
+
+    return get
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_same", "draft_other"])
+@pytest.mark.parametrize("kv_bytes", [KV, 48 << 10])  # the small pool forces preemption
+def test_greedy_outputs_identical(tiny_llama_gguf, draft_gguf, reference, method, kv_bytes):
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+            "draft_same": {"method": "draft_model", "model": str(tiny_llama_gguf.path)},
+            "draft_other": {"method": "draft_model", "model": str(draft_gguf.path),
+                            "num_speculative_tokens": 5}}[method]  # fmt: skip
+    llm = _llm(tiny_llama_gguf.path, spec, kv_cache_memory=kv_bytes, max_num_batched_tokens=64)
+    assert _run(llm) == reference(kv_bytes)[0]
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_draft_tokens > 0
+    if method == "draft_same":  # a draft identical to the target is always right
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert stats.spec_emitted_tokens == stats.spec_num_drafts + stats.spec_accepted_tokens
+    llm.engine.check_no_leaks()
+
+
+def test_logprobs_identical_with_speculation(tiny_llama_gguf, reference):
+    llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(tiny_llama_gguf.path)})
+    prompts = [{"prompt_token_ids": p} for p in _prompts(llm.get_tokenizer())]
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    for out, ref in zip(outs, reference()[1]):
+        got = out.outputs[0].logprobs
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert [list(d) for d in got] == [list(d) for d in ref]
+            for a, b in zip(got, ref):
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+def test_abort_mid_speculation_frees_every_block(tiny_llama_gguf, draft_gguf):
+    llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(draft_gguf.path)})
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    for i, p in enumerate(_prompts(tok)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats.spec_num_drafts > 0
+    for i in range(0, 5, 2):
+        assert engine.abort_request(f"r{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.requests.clear()
+    engine.check_no_leaks()
+
+
+# ---- the sampling distribution is unchanged ------------------------------------------------
+
+def _emitted_distribution(p: torch.Tensor, q: torch.Tensor | None, drafts_from_q: bool, trials: int):
+    """Run `verify` on fixed target rows p [2, V] with one draft; count (first, second) emitted."""
+    vocab = p.shape[1]
+    logits = p.log()
+    counts: collections.Counter = collections.Counter()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(trials):
+        seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(temperature=1.0, max_tokens=None), generator=gen)
+        if drafts_from_q:
+            draft = int(torch.multinomial(q[0], 1, generator=gen))
+            seq.set_drafts([draft], q[:1])
+        else:
+            seq.set_drafts([2])  # a deterministic proposer: always token 2
+        (res,) = verify(logits, [seq], (), vocab)
+        counts[res.token_ids[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafts_from_q", [True, False])
+def test_rejection_sampling_first_token_follows_target(drafts_from_q):
+    torch.manual_seed(0)
+    vocab = 6
+    p = torch.softmax(torch.randn(2, vocab) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(1, vocab) * 1.5, dim=-1)
+    trials = 6000
+    counts = _emitted_distribution(p, q, drafts_from_q, trials)
+    empirical = torch.tensor([counts[i] / trials for i in range(vocab)])
+    tv = 0.5 * (empirical - p[0]).abs().sum().item()
+    assert tv < 0.03, (empirical, p[0])
+    # The draft's own distribution is far from the target's: accepting blindly would show.
+    assert 0.5 * (q[0] - p[0]).abs().sum().item() > 0.15
+
+
+def _token_histograms(llm: LLM, prompt: list[int], params: SamplingParams, samples: int):
+    outs = llm.generate([{"prompt_token_ids": prompt}] * samples, params, use_tqdm=False)
+    hist = [collections.Counter() for _ in range(params.max_tokens)]
+    for out in outs:
+        for pos, t in enumerate(out.outputs[0].token_ids):
+            hist[pos][t] += 1
+    return hist
+
+
+def test_sampling_distribution_unchanged_end_to_end(tiny_llama_gguf, draft_gguf):
+    """Token frequencies at every output position match with and without speculation
+    (total-variation distance within sampling noise) at temperature 1 with top-k / top-p."""
+    params = SamplingParams(temperature=1.0, top_k=12, top_p=0.95, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 19))
+    samples = 1500
+    off = _token_histograms(_llm(tiny_llama_gguf.path, max_num_seqs=256), prompt, params, samples)
+    on_llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(draft_gguf.path)},
+                  max_num_seqs=256, kv_cache_memory=8 << 20)  # fmt: skip
+    on = _token_histograms(on_llm, prompt, params, samples)
+    stats = on_llm.engine.get_stats()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
+    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
+        keys = set(off[pos]) | set(on[pos])
+        tv = 0.5 * sum(abs(off[pos][t] - on[pos][t]) for t in keys) / samples
+        assert tv < 0.1, (pos, tv)
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+
+def test_ngram_lookup_prefers_longest_latest_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, 1, 3) == [7, 5, 2]  # "2 3" latest
+    assert lookup([4, 5, 6, 4, 5], 2, 1, 4) == [6, 4]
+    assert lookup([1, 2, 3], 3, 1, 4) == []
+    assert lookup([1, 2, 3, 1], 3, 2, 4) == []  # only a 1-token match, below the minimum
+    assert lookup([1, 1], 5, 1, 4) == [1]  # continuation stops at the end
+
+
+def test_policy_depth_follows_acceptance_and_cost():
+    assert expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    assert best_depth(0.9, 5, 0.0) == 5  # verification free, drafts good: go deep
+    assert best_depth(0.9, 5, 1.0) == 0  # each draft costs a whole step: never pays
+    assert 0 < best_depth(0.6, 5, 0.1) < 5
+    policy = SpecPolicy(4, disable_by_batch_size=8, verify_cost={1: 0.02, 16: 0.5})
+    seqs = [Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100)) for _ in range(3)]
+    assert policy.depths(seqs, batch_size=9) == [0, 0, 0]  # the flag's limit
+    assert policy.depths(seqs, batch_size=1) == [4, 4, 4]
+    assert policy.beta(8) == pytest.approx(0.02 + (0.5 - 0.02) * 7 / 15)
+    for _ in range(6):  # a sequence whose drafts keep failing speculates less
+        policy.record(seqs[0], 4, 0)
+    assert policy.depths(seqs[:1], batch_size=1)[0] < 4
+    short = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=2))
+    assert policy.depths([short], batch_size=1) == [1]  # never more than max_tokens allows
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "ngram"', "not valid JSON"),
+    ('[1]', "JSON object"),
+    ('{"num_speculative_tokens": 3}', "needs \"method\""),
+    ('{"method": "medusa"}', "method must be one of"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "draft_model"}', "needs \"model\""),
+    ('{"method": "ngram", "k": 3}', "unknown keys"),
+    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+])  # fmt: skip
+def test_bad_speculative_config(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_gguf, tiny_models):
+    other = tiny_models["qwen2-f32.gguf"]
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(other.path)})
+
+
+def test_speculative_config_flag(tiny_llama_gguf):
+    from inferd.engine_args import add_engine_args, engine_config_from_args
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})])
+    spec = engine_config_from_args(args).speculative
+    assert spec.method == "ngram" and spec.num_speculative_tokens == 5
