@@ -107,7 +107,7 @@ def test_abort_mid_speculation_frees_every_block(tiny_llama_gguf, draft_gguf):
     engine = llm.engine
     tok = llm.get_tokenizer()
     for i, p in enumerate(_prompts(tok)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True))
     for _ in range(6):
         engine.step()
     assert engine.stats.spec_num_drafts > 0
@@ -238,3 +238,15 @@ def test_speculative_config_flag(tiny_llama_gguf):
     args = parser.parse_args(["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})])
     spec = engine_config_from_args(args).speculative
     assert spec.method == "ngram" and spec.num_speculative_tokens == 5
+
+
+def test_seeded_sampling_is_the_same_with_speculation_on(tiny_llama_gguf):
+    """A seed promises the same output whatever the batch: seeded sampled sequences do not
+    speculate (the number of drafts a step verifies depends on the batch)."""
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}] * 4
+
+    def run(spec):
+        return [o.outputs[0].token_ids for o in _llm(tiny_llama_gguf.path, spec).generate(prompts, params, use_tqdm=False)]
+
+    assert run({"method": "ngram"}) == run(None)

@@ -8,6 +8,7 @@ def add_bench_parser(sub) -> None:
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
     from inferd.bench.serve import add_serve_parser
+    from inferd.bench.spec import add_spec_parser
     from inferd.bench.structured import add_structured_parser
 
     p = sub.add_parser("bench", help="benchmarks, with peers side by side")
@@ -16,5 +17,6 @@ def add_bench_parser(sub) -> None:
     add_prefix_parser(bench_sub)
     add_structured_parser(bench_sub)
     add_serve_parser(bench_sub)
+    add_spec_parser(bench_sub)
 
 

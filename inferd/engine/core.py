@@ -328,12 +328,13 @@ class EngineCore:
         if bitmask is not None and seqs != will_sample:  # never expected
             bitmask = self.structured.fill([s.matcher for s in seqs])
         result = self.sampler(logits, sample_rows, sample_seqs, bitmask)
-        if self.proposer is not None and self.proposer.needs_hidden:
-            self.proposer.observe(sample_seqs, hidden[torch.tensor(sample_rows, device=hidden.device)])
         now = time.monotonic()
         self.stats.generation_tokens_total += len(sample_seqs)
-        return [self._append_tokens(seq, [tok], [lp], now)
-                for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
+        deltas = [self._append_tokens(seq, [tok], [lp], now)
+                  for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self._observe(sample_seqs, hidden, sample_rows)
+        return deltas
 
     def _verify(self, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int],
                 seqs: list[Sequence]) -> list[SequenceDelta]:  # fmt: skip
@@ -366,8 +367,15 @@ class EngineCore:
             last_rows.append(rows[offset + res.num_accepted])
             offset += k + 1
         if self.proposer.needs_hidden:
-            self.proposer.observe(seqs, hidden[torch.tensor(last_rows, device=hidden.device)])
+            self._observe(seqs, hidden, last_rows)
         return deltas
+
+    def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, rows: list[int]) -> None:
+        """Hand the proposer each still-running sequence's hidden state (row of `hidden`)."""
+        keep = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if keep:
+            index = torch.tensor([rows[i] for i in keep], device=hidden.device)
+            self.proposer.observe([seqs[i] for i in keep], hidden[index])
 
     def _propose(self) -> float:
         """Ask the proposer for drafts for the running decodes the policy lets speculate;
@@ -377,7 +385,10 @@ class EngineCore:
         start = time.perf_counter()
         decoding = [s for s in self.scheduler.running
                     if s.num_uncomputed == 1 and s.num_output_tokens > 0]  # fmt: skip
-        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks]
+        # Not speculating: grammar-constrained sequences (their masks are per position), and
+        # seeded sampling, whose promise is the same output whatever the batch — how many drafts
+        # a step verifies depends on the batch, and so would the random draws.
+        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks and s.generator is None]
         ks = self.spec_policy.depths(eligible, len(decoding))
         chosen, depths = [], []
         for seq, k in zip(eligible, ks):

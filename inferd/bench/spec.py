@@ -1,0 +1,168 @@
+"""`inferd bench spec`: speculative decoding against plain decoding, in one run, like the seeds' table.
+
+Batch 1 (each prompt alone, greedy): tokens/s, acceptance rate, mean acceptance length and
+speedup over speculation off, per proposer and depth k, on two tasks:
+- input-grounded ("rewrite"): rewrite, proofread or edit a given passage or program — the output
+  copies much of its input, where prompt lookup shines;
+- "chat": open questions, where only a model (draft model, learned head) can guess ahead.
+With --batch N, also N chat requests at once (the policy should keep throughput >= 0.95x of
+speculation off). Greedy outputs must be identical to speculation off: the bench checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+PASSAGES = (
+    "The lighthouse stood at the end of the harbor wall for two hundred years. Every evening the "
+    "keeper climbed the ninety steps, trimmed the wick and wound the clockwork that turned the "
+    "lens. Ships from the north used its light to find the narrow channel between the rocks, and "
+    "the town grew rich on the trade that came through it.",
+    "Our team meeting is moved from Tuesday to Thursday at ten in the morning. Please bring the "
+    "sales figures for the last quarter and your notes on the new product launch. If you cannot "
+    "attend, send your update to Maria before Wednesday evening so that she can present it.",
+    "Honeybees live in colonies of up to sixty thousand workers, one queen and a few hundred "
+    "drones. The workers collect nectar and pollen, build the wax comb, care for the young and "
+    "defend the hive. In winter the colony forms a tight cluster and shivers to keep warm.",
+)
+CODE = (
+    "def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n\n\ndef maximum(values):\n    best = values[0]\n"
+    "    for v in values:\n        if v > best:\n            best = v\n    return best\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count += 1\n\n    def reset(self):\n        self.count = 0\n",
+)
+REWRITE_TASKS = tuple(
+    [f"Rewrite the following text, correcting any mistakes and keeping its meaning:\n\n{p}" for p in PASSAGES]
+    + [f"Repeat this passage word for word, then give it a title:\n\n{PASSAGES[0]}"]
+    + [f"Add a docstring to every function in this Python code and return the whole code:\n\n{c}" for c in CODE]
+)  # fmt: skip
+CHAT_TASKS = (
+    "What should I pack for a weekend hiking trip?",
+    "How do I make a good cup of tea?",
+    "Why is the sky blue?",
+    "Give me some ideas for a birthday party for a seven-year-old.",
+    "What is the difference between a virus and a bacterium?",
+    "How can I get better at remembering names?",
+)
+TASKS = {"rewrite": REWRITE_TASKS, "chat": CHAT_TASKS}
+
+
+def _chat_ids(tok, text: str) -> list[int]:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
+def _run_batch1(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for the prompts one at a time, and the outputs."""
+    from inferd import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs, start = [], time.perf_counter()
+    for p in prompts:
+        (out,) = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        outputs.append(out.outputs[0].token_ids)
+    return time.perf_counter() - start, outputs
+
+
+def _spec_counts(llm) -> tuple[int, int, int, int]:
+    s = llm.engine.get_stats()
+    return s.spec_num_drafts, s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_emitted_tokens
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
+    configs: list[tuple[str, dict | None]] = [("off", None)]
+    for k in args.k:
+        configs.append((f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}))
+        if args.draft_model:
+            configs.append((f"draft k={k}", {"method": "draft_model", "model": args.draft_model,
+                                             "num_speculative_tokens": k}))  # fmt: skip
+        if args.eagle:
+            configs.append((f"eagle k={k}", {"method": "eagle", "model": args.eagle,
+                                             "num_speculative_tokens": k}))  # fmt: skip
+    return configs
+
+
+def run_spec(args: argparse.Namespace) -> dict:
+    from inferd import LLM, SamplingParams
+    from inferd.loader import load_model
+
+    loaded = load_model(args.model, verbose=False, quantization=args.quantization)
+    tok = loaded.tokenizer
+    tasks = {name: [_chat_ids(tok, t) for t in TASKS[name]] for name in args.tasks}
+    rows: list[dict] = []
+    baseline: dict[str, float] = {}
+    reference: dict[str, list[list[int]]] = {}
+    batch: dict[str, float] = {}
+    for label, spec in _configs(args):
+        llm = LLM(loaded=loaded, verbose=False, quantization=args.quantization, speculative_config=spec)
+        _run_batch1(llm, [tasks[args.tasks[0]][0]], 8)  # warm-up
+        for task, prompts in tasks.items():
+            before = _spec_counts(llm)
+            times, tokens = [], 0
+            for _ in range(args.runs):
+                seconds, outs = _run_batch1(llm, prompts, args.max_tokens)
+                times.append(seconds)
+                tokens = sum(len(o) for o in outs)
+                if spec is None:
+                    reference[task] = outs
+                elif outs != reference[task]:
+                    raise SystemExit(f"{label} on {task}: greedy output differs from speculation off")
+            drafts, proposed, accepted, emitted = (a - b for a, b in zip(_spec_counts(llm), before))
+            tps = tokens / statistics.median(times)
+            if spec is None:
+                baseline[task] = tps
+            rows.append({"task": task, "config": label, "tokens_per_s": round(tps, 1),
+                         "speedup": round(tps / baseline[task], 2),
+                         "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+                         "mean_acceptance_length": round(emitted / drafts, 2) if drafts else None})  # fmt: skip
+        if args.batch and (spec is None or spec["method"] != "draft_model" or args.batch_draft):
+            prompts = [tasks.get("chat", next(iter(tasks.values())))[i % 6] for i in range(args.batch)]
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+            secs = []
+            for _ in range(args.runs):
+                start = time.perf_counter()
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                secs.append(time.perf_counter() - start)
+            batch[label] = sum(len(o.outputs[0].token_ids) for o in outs) / statistics.median(secs)
+        del llm
+    _print_table(rows, batch, args)
+    report = {"bench": "spec", "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
+              "identical_greedy_outputs": True,
+              f"batch{args.batch}_tokens_per_s": {k: round(v, 1) for k, v in batch.items()},
+              f"batch{args.batch}_ratio_vs_off": {k: round(v / batch["off"], 3) for k, v in batch.items()}
+              if batch else {}}  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+def _print_table(rows: list[dict], batch: dict[str, float], args: argparse.Namespace) -> None:
+    print(f"\nbatch 1, greedy, {args.max_tokens} tokens max, median of {args.runs} runs "
+          "(outputs identical to speculation off)")  # fmt: skip
+    print("| task | config | tokens/s | speedup | acceptance rate | mean acceptance length |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        rate = "—" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
+        mal = "—" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        print(f"| {r['task']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {rate} | {mal} |")
+    if batch:
+        print(f"\nbatch {args.batch} (chat, {args.max_tokens} tokens each): "
+              + ", ".join(f"{k}: {v:.1f} tok/s ({v / batch['off']:.2f}×)" for k, v in batch.items()))  # fmt: skip
+
+
+def add_spec_parser(sub) -> None:
+    p = sub.add_parser("spec", help="speculative decoding vs plain decoding (batch 1 table, batch N check)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--quantization", "-q", default="auto")
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="draft depths to compare")
+    p.add_argument("--draft-model", default=None, help="a draft model (GGUF / HF dir) sharing the tokenizer")
+    p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.spec.train_eagle)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")
+    p.add_argument("--batch-draft", action="store_true", help="include draft-model configs in the batch run")
+    p.set_defaults(func=run_spec)
