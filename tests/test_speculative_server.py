@@ -49,7 +49,8 @@ def test_stream_equals_whole_response_and_metrics_count_drafts(server, client) -
     drafts = metric(body, "inferd:spec_decode_num_drafts_total", model_name=MODEL, method="ngram")
     accepted = metric(body, "inferd:spec_decode_num_accepted_tokens_total", model_name=MODEL, method="ngram")
     emitted = metric(body, "inferd:spec_decode_num_emitted_tokens_total", model_name=MODEL, method="ngram")
-    assert drafts > 0 and accepted > 0 and emitted == drafts + accepted
+    # A verification emits its accepted drafts and one token more, unless the sequence stops inside.
+    assert drafts > 0 and accepted > 0 and drafts <= emitted <= drafts + accepted
     assert metric(body, "inferd:spec_decode_mean_acceptance_length", model_name=MODEL, method="ngram") > 1.5
 
 
