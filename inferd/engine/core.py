@@ -385,6 +385,8 @@ class EngineCore:
         start = time.perf_counter()
         decoding = [s for s in self.scheduler.running
                     if s.num_uncomputed == 1 and s.num_output_tokens > 0]  # fmt: skip
+        for seq in decoding:  # drafts of a step that had no room for them are stale
+            seq.set_drafts([])
         # Not speculating: grammar-constrained sequences (their masks are per position), and
         # seeded sampling, whose promise is the same output whatever the batch — how many drafts
         # a step verifies depends on the batch, and so would the random draws.
