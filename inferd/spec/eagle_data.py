@@ -1,0 +1,134 @@
+"""Self-distillation data for the draft head: chat instructions, the target's own responses to
+them, and the target's hidden state at every position of prompt + response.
+
+Instructions are templates x topics. The eval split holds out whole topics (none of their words
+is seen in training), so the acceptance it measures is the one a new chat prompt gets.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from inferd.engine.model_runner import allocate_kv_cache
+from inferd.layers.attention import AttentionMetadata, PrefillSlice
+
+TEMPLATES = (
+    "Explain {t} to a beginner.",
+    "Write a short poem about {t}.",
+    "Give me three practical tips about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a short story that involves {t}.",
+    "Summarize the history of {t} in one paragraph.",
+    "How would you explain {t} to a ten-year-old?",
+    "List five interesting facts about {t}.",
+    "Write a friendly email to a colleague about {t}.",
+    "What is a common misconception about {t}?",
+    "Describe {t} in simple words.",
+    "Why does {t} matter today?",
+    "Give a step-by-step guide to getting started with {t}.",
+    "Write a short blog post introduction about {t}.",
+    "What questions should I ask an expert on {t}?",
+    "Compare {t} with something most people already know.",
+)
+TOPICS = (
+    "photosynthesis", "black holes", "the French Revolution", "machine learning", "coffee",
+    "volcanoes", "the stock market", "bicycles", "the immune system", "Python programming",
+    "climate change", "the Moon", "chess", "honeybees", "electricity", "the Roman Empire",
+    "sleep", "recycling", "music theory", "the internet", "gardening", "earthquakes", "vaccines",
+    "cooking pasta", "the ocean", "renewable energy", "dinosaurs", "friendship",
+    "time management", "the human brain", "rainforests", "airplanes", "prime numbers",
+    "the water cycle", "democracy", "cats", "running", "saving money", "the solar system",
+    "learning a new language", "public speaking", "bread baking", "the printing press",
+    "databases", "origami", "jazz", "glaciers", "volunteering",
+)  # fmt: skip
+# Topics only the eval split uses.
+EVAL_TOPICS = ("the moon landing", "tea", "wind turbines", "octopuses", "meditation",
+               "the Great Wall of China", "spreadsheets", "thunderstorms")  # fmt: skip
+
+
+def instructions(split: str, n: int, seed: int = 0) -> list[str]:
+    """`n` distinct chat instructions of the "train" or "eval" split, shuffled with `seed`."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+    topics = TOPICS if split == "train" else EVAL_TOPICS
+    pool = [t.format(t=topic) for topic in topics for t in TEMPLATES]
+    if n > len(pool):
+        raise ValueError(f"the {split} split has {len(pool)} instructions, {n} asked")
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def generate_sequences(
+    llm,
+    prompts: list[str],
+    max_tokens: int,
+    temperatures: list[float],
+    seed: int = 0,
+    progress: bool = False,
+) -> tuple[list[list[int]], list[int]]:
+    """Token ids of chat prompt + the target's response, one list per prompt (`llm`: inferd.LLM),
+    and each prompt's length in tokens."""
+    from inferd.sampling.params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
+                                              add_generation_prompt=True), add_special_tokens=False)
+           for p in prompts]  # fmt: skip
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed + i)
+              for i, t in enumerate(temperatures)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=progress)
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(ids, outs)], [len(p) for p in ids]
+
+
+@dataclass(slots=True)
+class HiddenStates:
+    """Per sequence: its tokens [T] and the target's hidden states [T, H] (fp32, CPU)."""
+
+    tokens: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+
+
+@torch.inference_mode()
+def target_hidden_states(
+    model: torch.nn.Module, sequences: list[list[int]], max_batch_tokens: int = 2048
+) -> HiddenStates:
+    """Run the target over each whole sequence (several per forward, each a prefill with no earlier
+    context) and keep its hidden states after the final norm, as the engine's forward returns."""
+    cfg = model.config
+    device = model.norm.weight.device
+    block = 16
+    longest = max(len(s) for s in sequences)
+    nblocks = (max(max_batch_tokens, longest) + block - 1) // block + len(sequences)
+    kv = allocate_kv_cache(cfg, nblocks, block, model.norm.weight.dtype, device)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
+    out_tokens, out_hidden = [], []
+    i = 0
+    while i < len(sequences):
+        batch, total = [], 0
+        while i < len(sequences) and (not batch or total + len(sequences[i]) <= max_batch_tokens):
+            batch.append(sequences[i])
+            total += len(sequences[i])
+            i += 1
+        # Each sequence owns whole blocks: rows [row, row + t), slots from its first block on.
+        slices, slots, next_block = [], [], 0
+        row = 0
+        for seq in batch:
+            t = len(seq)
+            nb = (t + block - 1) // block
+            table = torch.arange(next_block, next_block + nb, device=device)
+            slices.append(PrefillSlice(row, row + t, t, table, None))
+            slots.append(torch.arange(t, device=device) + next_block * block)
+            next_block += nb
+            row += t
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_size=block, group=None,
+                                 prefills=slices)  # fmt: skip
+        flat = torch.tensor([x for s in batch for x in s], device=device)
+        pos = torch.cat([torch.arange(len(s), device=device) for s in batch])
+        hidden = model(flat, pos, caches, meta).float().cpu()
+        for s, sl in zip(batch, slices):
+            out_tokens.append(torch.tensor(s))
+            out_hidden.append(hidden[sl.start : sl.end].clone())
+    return HiddenStates(out_tokens, out_hidden)

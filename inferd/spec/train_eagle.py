@@ -1,0 +1,190 @@
+"""Train the EAGLE-style draft head for a target model by self-distillation, then measure its
+acceptance length on held-out chat prompts.
+
+    python -m inferd.spec.train_eagle [--model M] [--out DIR] [--num-prompts N] [--max-tokens M]
+                                      [--epochs E] ...
+
+1. the target (`inferd.LLM`, `--quantization auto` by default) answers N chat instructions
+   (temperature 0, a fraction at `--sample-temperature`) and the held-out eval instructions
+   (temperature 0: the greedy continuation the acceptance is measured along);
+2. the target, dequantized to fp32, is run over every prompt + response: its hidden state at each
+   position (the same values its quantized form computes, up to rounding);
+3. the head trains on those (eagle_train_core), is saved to DIR (default
+   $INFERD_CACHE_DIR/eagle/<model name>), and its acceptance length at k = 3 and 5 is printed.
+The last line printed is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inferd.loader import load_model
+from inferd.loader.default_model import cache_dir
+from inferd.models import build_model
+from inferd.spec.eagle_data import generate_sequences, instructions, target_hidden_states
+from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
+from inferd.spec.eagle_train_core import TrainOptions, flatten, measure_acceptance, train_head
+
+
+@dataclass(slots=True)
+class EagleRecipe:
+    model: str | None = None  # GGUF / HF dir; None: the default model
+    out: str | None = None
+    quantization: str = "auto"  # of the target generating the data (and serving later)
+    num_prompts: int = 384
+    eval_prompts: int = 32
+    max_tokens: int = 128
+    sample_fraction: float = 0.25  # of training prompts answered at sample_temperature
+    sample_temperature: float = 0.7
+    num_blocks: int = 1
+    intermediate_size: int | None = 768
+    kv_cache_memory: int = 2 << 30  # touched only as used
+    progress: bool = False  # a progress bar while generating
+    train: TrainOptions = field(default_factory=TrainOptions)
+
+
+def default_out_dir(model_name: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-") or "model"
+    return cache_dir() / "eagle" / slug
+
+
+def _log(msg: str) -> None:
+    print(f"train_eagle: {msg}", file=sys.stderr, flush=True)
+
+
+def train_eagle(recipe: EagleRecipe) -> dict:
+    """Run the whole recipe; returns the report (also written as DIR/train_report.json)."""
+    from inferd import LLM
+    from inferd.loader import DEFAULT_MODEL_NAME
+
+    times: dict[str, float] = {}
+    cpu0 = time.process_time()
+    t_all = t0 = time.perf_counter()
+    loaded = load_model(recipe.model, quantization=recipe.quantization, verbose=False)
+    name = DEFAULT_MODEL_NAME if recipe.model is None else Path(loaded.source).stem
+    out = Path(recipe.out) if recipe.out else default_out_dir(name)
+
+    train_prompts = instructions("train", recipe.num_prompts, recipe.train.seed)
+    eval_prompts = instructions("eval", recipe.eval_prompts, recipe.train.seed)
+    n_sampled = round(recipe.num_prompts * recipe.sample_fraction)
+    temps = [recipe.sample_temperature] * n_sampled + [0.0] * (recipe.num_prompts - n_sampled)
+    llm = LLM(loaded=loaded, quantization=recipe.quantization, max_num_seqs=128,
+              kv_cache_memory=recipe.kv_cache_memory, seed=recipe.train.seed,
+              verbose=False)  # fmt: skip
+    _log(f"generating {len(train_prompts)} + {len(eval_prompts)} responses "
+         f"(<= {recipe.max_tokens} tokens)")  # fmt: skip
+    train_seqs, train_lens = generate_sequences(llm, train_prompts, recipe.max_tokens, temps,
+                                       recipe.train.seed, progress=recipe.progress)  # fmt: skip
+    eval_seqs, eval_lens = generate_sequences(llm, eval_prompts, recipe.max_tokens,
+                                              [0.0] * len(eval_prompts))  # fmt: skip
+    eval_starts = [n - 1 for n in eval_lens]  # drafting starts at the last prompt position
+    del llm
+    times["generate_s"] = time.perf_counter() - t0
+    n_tokens = sum(map(len, train_seqs))
+    n_response = n_tokens - sum(train_lens)
+    _log(f"generated {n_response} response tokens in {times['generate_s']:.0f} s")
+
+    t0 = time.perf_counter()
+    longest = max(map(len, train_seqs + eval_seqs))
+    # fp32 (the file's blocks dequantized): the same weights, and autograd can run through it.
+    target = build_model(loaded.config, loaded.weights, max_positions=longest + 1,
+                         dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    train_states = target_hidden_states(target, train_seqs)
+    eval_states = target_hidden_states(target, eval_seqs)
+    lm_weight = target.lm_head.weight.detach()  # fp32 [V, H]
+    data = flatten(train_states, lm_weight, recipe.train.unroll)
+    times["hidden_states_s"] = time.perf_counter() - t0
+    _log(f"hidden states of {len(data.tokens)} positions in {times['hidden_states_s']:.0f} s")
+
+    t0 = time.perf_counter()
+    head = EagleHead.for_target(target, num_blocks=recipe.num_blocks,
+                                intermediate_size=recipe.intermediate_size)  # fmt: skip
+    losses = train_head(head, data, target.embed_tokens, lm_weight, recipe.train, _log)
+    times["train_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    head.requires_grad_(False)
+    acceptance = measure_acceptance(head, eval_states, eval_starts)
+    times["eval_s"] = time.perf_counter() - t0
+    head.save(out)
+    size = sum((out / f).stat().st_size for f in (WEIGHTS_FILE, CONFIG_FILE))
+    times["total_s"] = time.perf_counter() - t_all
+    # CPU seconds of this process (all threads): on a shared machine, wall time mostly measures
+    # the neighbours' load.
+    times["cpu_s"] = time.process_time() - cpu0
+    report = {
+        "model": loaded.source,
+        "out": str(out),
+        "head_parameters": head.num_parameters(),
+        "size_bytes": size,
+        "train_positions": n_tokens,  # prompt + response tokens
+        "train_response_tokens": n_response,
+        "train_examples": len(data.starts),
+        "eval_prompts": len(eval_prompts),
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "acceptance": acceptance,
+        "seconds": {k: round(v, 1) for k, v in times.items()},
+    }
+    (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    r, t = EagleRecipe(), TrainOptions()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
+    p.add_argument(
+        "--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/eagle/<model>)"
+    )
+    p.add_argument("--quantization", default=r.quantization)
+    p.add_argument("--num-prompts", type=int, default=r.num_prompts)
+    p.add_argument("--eval-prompts", type=int, default=r.eval_prompts)
+    p.add_argument("--max-tokens", type=int, default=r.max_tokens)
+    p.add_argument("--sample-fraction", type=float, default=r.sample_fraction)
+    p.add_argument("--sample-temperature", type=float, default=r.sample_temperature)
+    p.add_argument("--num-blocks", type=int, default=r.num_blocks)
+    p.add_argument("--intermediate-size", type=int, default=r.intermediate_size)
+    p.add_argument("--epochs", type=float, default=t.epochs)
+    p.add_argument("--batch-size", type=int, default=t.batch_size)
+    p.add_argument("--unroll", type=int, default=t.unroll)
+    p.add_argument("--lr", type=float, default=t.lr)
+    p.add_argument("--ce-weight", type=float, default=t.ce_weight)
+    p.add_argument("--noise", type=float, default=t.noise)
+    p.add_argument("--full-vocab-ce", action="store_true")
+    p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    opts = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, unroll=a.unroll, lr=a.lr,
+                        ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce,
+                        seed=a.seed)  # fmt: skip
+    recipe = EagleRecipe(model=a.model, out=a.out, quantization=a.quantization,
+                         num_prompts=a.num_prompts, eval_prompts=a.eval_prompts,
+                         max_tokens=a.max_tokens, sample_fraction=a.sample_fraction,
+                         sample_temperature=a.sample_temperature,
+                         num_blocks=a.num_blocks, intermediate_size=a.intermediate_size,
+                         progress=True, train=opts)  # fmt: skip
+    report = train_eagle(recipe)
+    acc = report["acceptance"]
+    secs = report["seconds"]
+    print(f"saved {report['out']} ({report['size_bytes'] / 2**20:.1f} MiB, "
+          f"{report['head_parameters'] / 1e6:.2f} M parameters) in {secs['total_s']:.0f} s "
+          f"({secs['cpu_s']:.0f} CPU s)")  # fmt: skip
+    for k in (3, 5):
+        print(f"k={k}: mean acceptance length {acc[f'k{k}_acceptance_length']:.2f} tokens/step "
+              f"(per position {acc[f'k{k}_per_position']:.2f})")  # fmt: skip
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
