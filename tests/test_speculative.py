@@ -250,3 +250,17 @@ def test_seeded_sampling_is_the_same_with_speculation_on(tiny_llama_gguf):
         return [o.outputs[0].token_ids for o in _llm(tiny_llama_gguf.path, spec).generate(prompts, params, use_tqdm=False)]
 
     assert run({"method": "ngram"}) == run(None)
+
+
+def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path):
+    """A learned draft head (here untrained: its drafts are mostly wrong) changes no output."""
+    from inferd.spec.eagle_head import EagleHead
+
+    target = _llm(tiny_llama_gguf.path).engine.runner.model
+    torch.manual_seed(0)
+    EagleHead.for_target(target).save(tmp_path / "head")
+    llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
+                                      "num_speculative_tokens": 3})  # fmt: skip
+    assert _run(llm) == reference()[0]
+    assert llm.engine.get_stats().spec_num_drafts > 0
+    llm.engine.check_no_leaks()
