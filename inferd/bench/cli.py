@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 
-
 def add_bench_parser(sub) -> None:
+    from inferd.bench.latency import add_latency_parser
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
+    from inferd.bench.roofline import add_roofline_parser
     from inferd.bench.serve import add_serve_parser
     from inferd.bench.spec import add_spec_parser
     from inferd.bench.structured import add_structured_parser
@@ -14,9 +15,9 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks, with peers side by side")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     add_offline_parser(bench_sub)
+    add_latency_parser(bench_sub)
+    add_roofline_parser(bench_sub)
     add_prefix_parser(bench_sub)
     add_structured_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_spec_parser(bench_sub)
-
-

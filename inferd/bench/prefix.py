@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 from inferd.bench.prompts import synthetic_prompt
 

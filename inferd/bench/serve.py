@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from inferd.bench.common import stats_ms
+
 
 class BenchServeError(ValueError):
     """The benchmark cannot run (server unreachable, every request failed); `inferd` exits 2."""
@@ -47,14 +49,6 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def _stats_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values) * 1000.0
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 async def _send(
@@ -183,10 +177,10 @@ def _summarize(
         "output_tps": out_tokens / secs,
         "total_tps": (in_tokens + out_tokens) / secs,
         "goodput_rps": good,
-        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
-        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
-        "itl_ms": _stats_ms([x for r in ok for x in r.itls_s]),
-        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
+        "ttft_ms": stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_ms": stats_ms([x for r in ok for x in r.itls_s]),
+        "e2e_ms": stats_ms([r.e2e_s for r in ok]),
         # Kept out of the JSON (large); the plots use them.
         "_raw": {
             "ttft": [r.ttft_s for r in ok],

@@ -1,0 +1,27 @@
+"""What every bench shares: latency percentiles in ms, and the model / peers flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def stats_ms(values: list[float]) -> dict[str, float | None]:
+    """Mean, p50, p90 and p99 of durations given in seconds, in milliseconds."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values) * 1000.0
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def add_model_args(p: argparse.ArgumentParser, peers: bool = True) -> None:
+    """--model, --dtype, --quantization (fp32 by default: the precision HF runs), --peers."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default="none",
+                   help="inferd's weights: none (fp32, what HF runs) or auto/int8/int4/fp8")  # fmt: skip
+    if peers:
+        p.add_argument("--peers", default="hf,llama.cpp",
+                       help="comma list: hf, llama.cpp (skipped with a note when not installed), none")  # fmt: skip

@@ -1,0 +1,175 @@
+"""`inferd bench latency`: one batch, timed step by step, against the machine's own ceilings.
+
+For inferd and each peer on the same prompts: prefill time (and FLOP/s achieved), decode step
+latency (mean, p50, p90, p99), decode tokens/s, achieved GB/s of weights + KV read and FLOP/s, each
+next to the ceilings `inferd bench roofline` measures in the same run. Batch 1 is the gpt-fast
+question: how close to the memory-bandwidth limit does one stream decode?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from inferd.bench.common import add_model_args, stats_ms
+from inferd.bench.peers import LLAMA_CPP_MISSING, Timed, parse_peers
+from inferd.bench.roofline import Roofline, StepCost, engine_step_cost, measure_roofline
+
+
+def summarize(
+    runs: list[Timed], cost: StepCost, roof: Roofline, batch: int, input_len: int
+) -> dict:
+    """Medians over runs of one engine's prefill and decode figures, with achieved rates."""
+    per_run = []
+    for t in runs:
+        steps = t.step_s
+        # Decode step k (k = 1, 2, ...) attends over input_len + k cached tokens per sequence.
+        bytes_total = flops_total = 0
+        for k in range(1, len(steps) + 1):
+            b, f = cost.decode_step([input_len + k] * batch)
+            bytes_total, flops_total = bytes_total + b, flops_total + f
+        decode_s = sum(steps)
+        per_run.append({
+            "prefill_s": t.ttft_s,
+            "decode_step_ms": stats_ms(steps),
+            "decode_tps": batch * len(steps) / decode_s if decode_s else 0.0,
+            "decode_gbps": bytes_total / decode_s / 1e9 if decode_s else 0.0,
+            "decode_gflops": flops_total / decode_s / 1e9 if decode_s else 0.0,
+        })  # fmt: skip
+    med = statistics.median
+    prefill_s = med(r["prefill_s"] for r in per_run)
+    prefill_gflops = cost.prefill_flops([input_len] * batch) / prefill_s / 1e9
+    gbps = med(r["decode_gbps"] for r in per_run)
+    gflops = med(r["decode_gflops"] for r in per_run)
+    return {
+        "prefill_s": round(prefill_s, 4),
+        "prefill_tps": round(batch * input_len / prefill_s, 1),
+        "prefill_gflops": round(prefill_gflops, 3),
+        "prefill_pct_of_matmul_peak": round(100 * prefill_gflops / roof.matmul_gflops, 1),
+        "decode_step_ms": {
+            k: round(med(r["decode_step_ms"][k] for r in per_run), 2)
+            for k in ("mean", "p50", "p90", "p99")
+        },
+        "decode_tps": round(med(r["decode_tps"] for r in per_run), 2),
+        "decode_gbps": round(gbps, 3),
+        "decode_pct_of_matvec_bw": round(100 * gbps / roof.matvec_gbps, 1),
+        "decode_gflops": round(gflops, 3),
+        "decode_pct_of_matmul_peak": round(100 * gflops / roof.matmul_gflops, 1),
+    }
+
+
+def _print_table(report: dict) -> None:
+    print(f"\n{'engine':<10} {'prefill s':>9} {'GFLOP/s':>8} {'step p50':>9} {'p90':>7} {'p99':>7} "
+          f"{'tok/s':>7} {'GB/s':>6} {'% bw':>5} {'GFLOP/s':>8}")  # fmt: skip
+    for name, r in report["engines"].items():
+        s = r["decode_step_ms"]
+        print(f"{name:<10} {r['prefill_s']:>9.3f} {r['prefill_gflops']:>8.1f} {s['p50']:>7.1f}ms "
+              f"{s['p90']:>5.1f}ms {s['p99']:>5.1f}ms {r['decode_tps']:>7.1f} {r['decode_gbps']:>6.1f} "
+              f"{r['decode_pct_of_matvec_bw']:>5.1f} {r['decode_gflops']:>8.1f}")  # fmt: skip
+
+
+def run_latency(args: argparse.Namespace) -> dict:
+    from inferd import LLM
+    from inferd.bench import peers
+    from inferd.bench.prompts import synthetic_prompt
+    from inferd.loader import load_model, resolve_model_path
+
+    b, n_in, n_out = args.batch_size, args.input_len, args.output_len
+    if b < 1 or n_in < 1 or n_out < 2 or args.runs < 1:
+        raise ValueError("--batch-size, --input-len and --runs must be ≥ 1 and --output-len ≥ 2 "
+                         "(a decode step needs a token after the first)")  # fmt: skip
+    wanted = parse_peers(args.peers)
+    path = resolve_model_path(args.model)
+    loaded = load_model(path, verbose=False, quantization=args.quantization)
+    prompts = [synthetic_prompt(loaded.tokenizer, n_in, seed=i) for i in range(b)]
+    # One prefill step for the whole batch (so the first stamp is the prefill's end), no prefix
+    # cache (every run computes its prompts), a pool that holds the batch.
+    llm = LLM(loaded=loaded, verbose=False, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
+              enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+    engine = llm.engine
+    roof = measure_roofline(engine.dtype, budget_s=1.5)
+    cost = engine_step_cost(engine)
+    print(f"torch threads {torch.get_num_threads()}; batch {b}, {n_in} prompt tokens, {n_out} new "
+          f"tokens, median of {args.runs} runs; ceilings: matrix-vector {roof.matvec_gbps:.1f} GB/s, "
+          f"matmul {roof.matmul_gflops:.1f} GFLOP/s; {cost.weight_bytes / 1e6:.1f} MB of weights "
+          f"per step", file=sys.stderr)  # fmt: skip
+    runs: dict[str, list[Timed]] = {"inferd": []}
+    peers.inferd_generate_timed(engine, prompts[:1], 4)  # warm-up (kernels built, pages touched)
+    notes: list[str] = []
+    hf_model = llama = None
+    if "hf" in wanted:
+        hf_model = peers.load_hf(path)
+        pad = loaded.tokenizer.eos_token_id or 0
+        peers.hf_generate_timed(hf_model, prompts[:1], 4, pad)
+        runs["hf"] = []
+    if "llama.cpp" in wanted:
+        if not peers.llama_cpp_available():
+            notes.append(LLAMA_CPP_MISSING)
+        elif b > 1:
+            notes.append("llama.cpp peer skipped: its Llama API runs one sequence (batch 1 only)")
+        elif path.suffix != ".gguf":
+            notes.append("llama.cpp peer skipped: the model is not a GGUF file")
+        else:
+            ftype = peers.peer_gguf_type(args.quantization)
+            llama = peers.LlamaCppPeer(peers.gguf_copy(path, ftype), n_ctx=n_in + n_out + 16)
+            llama.generate_timed(prompts[0], 4)
+            runs["llama.cpp"] = []
+            notes.append(
+                f"llama.cpp runs {llama.path.name} ({ftype if ftype != 'same' else 'as shipped'})"
+            )
+    for note in notes:
+        print(note, file=sys.stderr)
+    # Engines interleave run by run: load from other jobs on the machine hits all of them alike.
+    for i in range(args.runs):
+        runs["inferd"].append(peers.inferd_generate_timed(engine, prompts, n_out))
+        if hf_model is not None:
+            runs["hf"].append(peers.hf_generate_timed(hf_model, prompts, n_out, pad))
+        if llama is not None:
+            runs["llama.cpp"].append(llama.generate_timed(prompts[0], n_out))
+        print(f"run {i + 1}: " + ", ".join(f"{k} {v[-1].decode_tps * b:.1f} tok/s" for k, v in runs.items()),
+              file=sys.stderr)  # fmt: skip
+    if llama is not None:
+        llama.close()
+    limits = {
+        "bandwidth_limit_tps": round(
+            b * roof.matvec_gbps * 1e9 / cost.decode_step([n_in] * b)[0], 1
+        ),
+        "compute_limit_tps": round(roof.matmul_gflops * 1e9 / cost.linear_flops_per_token, 1),
+    }
+    report: dict = {
+        "bench": "latency", "model": str(path), "quantization": args.quantization,
+        "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": b, "input_len": n_in,
+        "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
+        "roofline": roof.as_dict(), "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
+        "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
+        "notes": notes, "engines": {k: summarize(v, cost, roof, b, n_in) for k, v in runs.items()},
+    }  # fmt: skip
+    base = report["engines"]["inferd"]["decode_tps"]
+    report["inferd_pct_of_bandwidth_limit"] = round(100 * base / limits["bandwidth_limit_tps"], 1)
+    report["ratio_inferd_vs"] = {k: round(base / r["decode_tps"], 2)
+                                 for k, r in report["engines"].items() if k != "inferd"}  # fmt: skip
+    _print_table(report)
+    print(f"bandwidth limit at batch {b}: {limits['bandwidth_limit_tps']} tok/s (inferd at "
+          f"{report['inferd_pct_of_bandwidth_limit']}%); inferd decode vs "
+          + (", ".join(f"{k} {v}×" for k, v in report["ratio_inferd_vs"].items()) or "no peer"))  # fmt: skip
+    print(json.dumps(report))
+    return report
+
+
+def add_latency_parser(sub) -> None:
+    p = sub.add_parser(
+        "latency",
+        help="one batch step by step: prefill, decode latency, GB/s and FLOP/s vs ceilings",
+    )
+    add_model_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3, help="repeat and report medians (noisy machines)")
+    p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes")
+    p.set_defaults(func=run_latency)

@@ -1,0 +1,70 @@
+"""`inferd bench latency` on a tiny model, with HF transformers in the same run (short, no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inferd.bench.peers import LLAMA_CPP_MISSING, inferd_generate_timed, llama_cpp_available
+from inferd.cli import main
+
+
+def _report(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_engine_timing_stamps_every_step(tiny_llama_hf) -> None:
+    from inferd import LLM
+
+    engine = LLM(str(tiny_llama_hf.path), kv_cache_memory=4 << 20, verbose=False).engine
+    timed = inferd_generate_timed(engine, [[5, 6, 7, 8], [9, 10, 11]], output_len=6)
+    # One prefill step then five decode steps, each producing a token for both requests.
+    assert len(timed.stamps) == 6 and len(timed.step_s) == 5
+    assert timed.start < timed.first[0] == timed.first[1] == timed.stamps[0] <= timed.end
+    assert [len(t) for t in timed.token_ids] == [6, 6]
+    assert not engine.requests  # everything popped: the engine is ready for the next run
+    engine.check_no_leaks()
+
+
+def test_latency_batch_against_hf(tiny_llama_hf, hf_transformers, capsys) -> None:
+    argv = ["bench", "latency", "--model", str(tiny_llama_hf.path), "--batch-size", "2",
+            "--input-len", "12", "--output-len", "6", "--runs", "2", "--peers", "hf,llama.cpp"]  # fmt: skip
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert set(report["engines"]) == {"inferd", "hf"}
+    # Not a GGUF file: llama.cpp is skipped with a note (or missing altogether).
+    assert any("llama.cpp peer skipped" in n for n in report["notes"])
+    for r in report["engines"].values():
+        s = r["decode_step_ms"]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"]
+        assert r["decode_tps"] > 0 and r["prefill_s"] > 0
+        assert r["decode_gbps"] > 0 and r["decode_gflops"] > 0 and r["prefill_gflops"] > 0
+    assert report["limits"]["bandwidth_limit_tps"] > 0
+    assert report["ratio_inferd_vs"]["hf"] > 0
+    assert report["roofline"]["matvec_gbps"] > 0
+
+
+def test_llama_cpp_peer_is_optional(tiny_llama_gguf, capsys) -> None:
+    argv = ["bench", "latency", "--model", str(tiny_llama_gguf.path), "--input-len", "8",
+            "--output-len", "4", "--runs", "1", "--peers", "llama.cpp"]  # fmt: skip
+    assert main(argv) == 0
+    report = _report(capsys)
+    if llama_cpp_available():
+        assert set(report["engines"]) == {"inferd", "llama.cpp"}
+        assert report["engines"]["llama.cpp"]["decode_tps"] > 0
+    else:
+        assert set(report["engines"]) == {"inferd"}
+        assert LLAMA_CPP_MISSING in report["notes"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--output-len", "1"], "--output-len ≥ 2"),
+        (["--peers", "vllm"], "unknown peer(s) ['vllm']"),
+    ],
+)
+def test_bad_flags_are_clear_errors(tiny_llama_hf, flags, message, capsys) -> None:
+    assert main(["bench", "latency", "--model", str(tiny_llama_hf.path), *flags]) == 2
+    assert message in capsys.readouterr().err
