@@ -95,10 +95,14 @@ def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
     return out
 
 
-def run_bench(name: str, quick: bool, timeout: float, model: str | None = None) -> dict:
+def run_bench(
+    name: str, quick: bool, timeout: float, model: str | None = None, threads: int = 0
+) -> dict:
     argv, quick_argv = BENCHES[name]
     if quick:
         argv = _with_flags(argv, quick_argv)
+    if threads and argv[0] in ("roofline", "latency", "offline"):
+        argv += ["--threads", str(threads)]
     server_args = ["-q", "auto"]
     if model:  # the server takes it as its positional argument; bench serve sizes prompts with it
         argv += ["--tokenizer", model] if name == "serve" else ["--model", model]
@@ -229,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "benches": []}  # fmt: skip
+              "torch": torch.__version__, "threads": args.threads or torch.get_num_threads(), "benches": []}  # fmt: skip
     for name in names:
         try:
-            entry = run_bench(name, args.quick, args.timeout, args.model)
+            entry = run_bench(name, args.quick, args.timeout, args.model, args.threads)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             entry = {
                 "name": name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from inferd.bench.peers import LLAMA_CPP_MISSING, inferd_generate_timed, llama_cpp_available
 from inferd.cli import main
@@ -45,14 +46,23 @@ def test_latency_batch_against_hf(tiny_llama_hf, hf_transformers, capsys) -> Non
     assert report["roofline"]["matvec_gbps"] > 0
 
 
-def test_llama_cpp_peer_is_optional(tiny_llama_gguf, capsys) -> None:
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_llama_cpp_peer_is_optional(tiny_llama_gguf, restore_threads, capsys) -> None:
     argv = ["bench", "latency", "--model", str(tiny_llama_gguf.path), "--input-len", "8",
-            "--output-len", "4", "--runs", "1", "--peers", "llama.cpp"]  # fmt: skip
+            "--output-len", "4", "--runs", "1", "--peers", "llama.cpp", "--threads", "1"]  # fmt: skip
     assert main(argv) == 0
     report = _report(capsys)
+    assert report["threads"] == 1
     if llama_cpp_available():
         assert set(report["engines"]) == {"inferd", "llama.cpp"}
         assert report["engines"]["llama.cpp"]["decode_tps"] > 0
+        assert any("llama.cpp runs" in n for n in report["notes"])
     else:
         assert set(report["engines"]) == {"inferd"}
         assert LLAMA_CPP_MISSING in report["notes"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import torch
 
 
 def stats_ms(values: list[float]) -> dict[str, float | None]:
@@ -17,11 +18,23 @@ def stats_ms(values: list[float]) -> dict[str, float | None]:
 
 
 def add_model_args(p: argparse.ArgumentParser, peers: bool = True) -> None:
-    """--model, --dtype, --quantization (fp32 by default: the precision HF runs), --peers."""
+    """--model, --dtype, --quantization (fp32 by default: the precision HF runs), --threads,
+    --peers."""
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", "-q", default="none",
                    help="inferd's weights: none (fp32, what HF runs) or auto/int8/int4/fp8")  # fmt: skip
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads, which llama.cpp uses too (0: torch's default); on a loaded "
+                        "machine fewer threads than cores avoid OpenMP's oversubscription collapse")  # fmt: skip
     if peers:
         p.add_argument("--peers", default="hf,llama.cpp",
                        help="comma list: hf, llama.cpp (skipped with a note when not installed), none")  # fmt: skip
+
+
+def set_threads(n: int) -> None:
+    """Every engine of a bench runs with the same thread count (llama.cpp reads torch's)."""
+    if n < 0:
+        raise ValueError(f"--threads must be ≥ 0, got {n}")
+    if n:
+        torch.set_num_threads(n)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from inferd.bench.common import add_model_args, stats_ms
+from inferd.bench.common import add_model_args, set_threads, stats_ms
 from inferd.bench.peers import LLAMA_CPP_MISSING, Timed, parse_peers
 from inferd.bench.roofline import Roofline, StepCost, engine_step_cost, measure_roofline
 
@@ -83,6 +83,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         raise ValueError("--batch-size, --input-len and --runs must be ≥ 1 and --output-len ≥ 2 "
                          "(a decode step needs a token after the first)")  # fmt: skip
     wanted = parse_peers(args.peers)
+    set_threads(args.threads)
     path = resolve_model_path(args.model)
     loaded = load_model(path, verbose=False, quantization=args.quantization)
     prompts = [synthetic_prompt(loaded.tokenizer, n_in, seed=i) for i in range(b)]

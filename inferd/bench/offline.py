@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from inferd.bench.common import add_model_args
+from inferd.bench.common import add_model_args, set_threads
 from inferd.bench.scenarios import SCENARIOS, BenchContext
 
 
@@ -33,6 +33,7 @@ def run_offline(args: argparse.Namespace) -> dict:
     if args.output_len < 2:
         raise ValueError("--output-len must be ≥ 2 (decode speed needs a token after the first)")
     wanted = parse_peers(args.peers)
+    set_threads(args.threads)
     path = resolve_model_path(args.model)
     loaded = load_model(path, verbose=False, quantization=args.quantization)
     pad = loaded.tokenizer.eos_token_id or 0
