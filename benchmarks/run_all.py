@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: inferd's default model)"
     )
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads of the roofline / latency / offline benches (0: torch's default)")  # fmt: skip
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(names) - set(BENCHES)

@@ -77,3 +77,17 @@ def test_bad_flags_are_clear_errors(tiny_llama_hf, flags, message, capsys) -> No
         == 2
     )
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scenario", ["multi-turn", "shared-prefix"])
+def test_llama_cpp_peer_in_scenarios(tiny_llama_gguf, scenario, capsys) -> None:
+    """llama.cpp (when installed) keeps its context between requests; otherwise one clear note."""
+    from inferd.bench.peers import LLAMA_CPP_MISSING, llama_cpp_available
+
+    r = _run(tiny_llama_gguf, capsys, "--scenario", scenario, "--turns", "2", "--num-prompts", "3",
+             "--prefix-len", "32", "--input-len", "8", "--output-len", "3", "--peers", "llama.cpp")  # fmt: skip
+    if llama_cpp_available():
+        assert "llama.cpp" in r["engines"]
+        assert any(n.startswith("llama.cpp runs") for n in r["notes"])
+    else:
+        assert "llama.cpp" not in r["engines"] and LLAMA_CPP_MISSING in r["notes"]
