@@ -72,3 +72,11 @@ def test_cli_prints_ceilings_and_model_limits(tiny_llama_hf, capsys) -> None:
     }
     m = report["model"]
     assert m["bandwidth_limit_tps"] > 0 and m["compute_limit_tps"] > 0 and m["weight_mb"] > 0
+
+
+def test_best_of_keeps_each_ceilings_higher_measurement() -> None:
+    from inferd.bench.roofline import Roofline, best_of
+
+    a = Roofline("float32", 2, copy_gbps=10.0, matvec_gbps=5.0, matmul_gflops=100.0)
+    b = Roofline("float32", 2, copy_gbps=8.0, matvec_gbps=9.0, matmul_gflops=120.0)
+    assert best_of(a, b) == Roofline("float32", 2, 10.0, 9.0, 120.0)

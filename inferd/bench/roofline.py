@@ -91,6 +91,12 @@ def measure_roofline(
     )
 
 
+def best_of(a: Roofline, b: Roofline) -> Roofline:
+    """Each ceiling at its higher measurement (noise from other jobs only ever lowers one)."""
+    return Roofline(a.dtype, a.threads, max(a.copy_gbps, b.copy_gbps),
+                    max(a.matvec_gbps, b.matvec_gbps), max(a.matmul_gflops, b.matmul_gflops))  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class StepCost:
     """What one forward pass of a model needs, counted from its layers.
