@@ -282,11 +282,10 @@ def long_context(ctx: BenchContext, a: argparse.Namespace) -> dict:
                          "tokens; raise --kv-cache-memory")  # fmt: skip
     inferd_generate_timed(engine, [[1] * 8], 2)  # warm-up
     hf = ctx.peers.hf()
-    llama = ctx.peers.llama_cpp(n_ctx=lens[-1] + a.output_len + 16)
+    n_ctx = min(lens[-1] + a.output_len + 16, cfg.max_position_embeddings)  # not past training
+    llama = ctx.peers.llama_cpp(n_ctx=n_ctx)
     if llama is not None:
-        ctx.peers.notes.append(
-            f"llama.cpp allocates its KV for n_ctx={lens[-1] + a.output_len + 16} up front"
-        )
+        ctx.peers.notes.append(f"llama.cpp allocates its KV for n_ctx={n_ctx} up front")
     points = []
     for n in lens:
         prompt = synthetic_prompt(ctx.tokenizer, n, seed=n)
