@@ -148,6 +148,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _kv_bytes_row(cfg, dtype) -> str:
+    """Per --kv-cache-dtype: bytes a token takes in the pool, and tokens held against `auto`."""
+    from inferd.kv.kv_cache import kv_bytes_per_token
+
+    auto = kv_bytes_per_token(cfg, dtype, "auto")
+    parts = [f"auto {auto:,} ({str(dtype).removeprefix('torch.')})"]
+    for name in ("int8", "fp8"):
+        n = kv_bytes_per_token(cfg, dtype, name)
+        parts.append(f"{name} {n:,} ({auto / n:.2f}x the tokens)")
+    return " · ".join(parts)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
@@ -172,7 +184,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("rope theta / scaling", f"{cfg.rope_theta:g} / {cfg.rope_scaling or 'none'}"),
         ("tied embeddings", str(cfg.tie_word_embeddings)),
         ("compute dtype", f"{str(dtype).removeprefix('torch.')} on {device}"),
-        ("KV bytes per token", f"{cfg.kv_bytes_per_token(dtype):,} ({str(dtype).removeprefix('torch.')})"),
+        ("KV bytes per token", _kv_bytes_row(cfg, dtype)),
         ("resident weights", " · ".join(
             f"{m} {b / 2**20:.1f} MiB" for m, b in
             weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings).items())),  # fmt: skip

@@ -32,13 +32,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--quantization", "-q", default="auto",
                    choices=["auto", "none", "int8", "int4", "fp8"],
                    help="weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks; none = dequantize; "
-                        "int8 per-channel, int4 group-wise, fp8 E4M3 per-channel")  # fmt: skip
+                        "int8 per-channel, int4 group-wise, fp8 E4M3 group-wise")  # fmt: skip
     g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
-                   help="int4 weights per scale/min")  # fmt: skip
+                   help="int4 / fp8 weights per scale (and min)")  # fmt: skip
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size in bytes (e.g. 2GiB); default: a share of free memory")  # fmt: skip
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto = the model dtype; int8 / fp8 (e4m3) / fp8_e5m2 = one "
+                        "byte per element + a scale per token and head (~4x the tokens of fp32)")  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -71,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

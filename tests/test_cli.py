@@ -22,6 +22,15 @@ def test_generate_streams_greedy_text_and_reports_speed():
     assert "time to first token" in r.stderr and "KV cache:" in r.stderr
 
 
+def test_generate_with_int8_kv_cache():
+    r = _inferd("generate", "The capital of France is", "--max-tokens", "8",
+                "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "int8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+    # 64 MiB / 12,240 bytes per token = 5,482 tokens, in whole 16-token blocks.
+    assert "KV cache: 342 blocks, 5472 tokens" in r.stderr and "int8 + fp32 scale" in r.stderr
+
+
 def test_chat_repl_uses_template_and_exits():
     r = _inferd("chat", "--max-tokens", "12", "--temperature", "0", "--kv-cache-memory", "64MiB",
                 stdin="What is the capital of France?\n/reset\n/exit\n")  # fmt: skip
@@ -35,6 +44,7 @@ def test_info_reports_model_facts():
     assert re.search(r"^architecture\s+llama$", r.stdout, re.M)
     assert "134,515,008" in r.stdout  # SmolLM2-135M's parameter count
     assert "46,080 (float32)" in r.stdout  # 2 × 30 layers × 3 kv heads × 64 × 4 bytes
+    assert "int8 12,240 (3.76x the tokens)" in r.stdout  # (64 + a 4-byte scale) per kv head
     assert "8192" in r.stdout
 
 

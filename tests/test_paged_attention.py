@@ -10,13 +10,9 @@ from inferd.kernels.paged_attention import extension
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, paged_attention
 
 
-def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int, int]]):
-    """shapes: (q_len, context after the step) per sequence."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
+def make_groups(shapes: list[tuple[int, int]], bs: int, perm: list[int]):
+    """The padded group of sequences with `shapes` — (q_len, context after the step) each — whose
+    blocks are popped from `perm`, for both paths: (slots [T], T, SDPA group, kernel group)."""
     tables, slots, rows, start = [], [], [], 0
     for q_len, ctx in shapes:
         n_blocks = -(-ctx // bs)
@@ -25,10 +21,6 @@ def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int,
         slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
         rows.append(start)
         start += q_len
-    t = start
-    q = torch.randn(t, hq, d, generator=g)
-    k = torch.randn(t, hkv, d, generator=g)
-    v = torch.randn(t, hkv, d, generator=g)
     width = max(len(x) for x in tables)
     padded = torch.tensor([x + [0] * (width - len(x)) for x in tables])
     q_max = max(q for q, _ in shapes)
@@ -47,9 +39,21 @@ def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int,
     sdpa = PaddedGroup(mask=mask, **common)
     kern = PaddedGroup(mask=None, kernel=extension(), row_start=torch.tensor(rows), q_lens=q_lens,
                        ctx_lens=ctxs, **common)  # fmt: skip
+    return torch.tensor(slots), start, sdpa, kern
+
+
+def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int, int]]):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    slots, t, sdpa, kern = make_groups(shapes, bs, torch.randperm(num_blocks, generator=g).tolist())
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
     outs = []
     for group in (sdpa, kern):
-        meta = AttentionMetadata(torch.tensor(slots), bs, group, [])
+        meta = AttentionMetadata(slots, bs, group, [])
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5))
     return outs
 

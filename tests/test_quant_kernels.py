@@ -15,6 +15,7 @@ from inferd.quantization.formats import (
     from_gguf_blocks,
     pack_int4,
     quantize,
+    quantize_fp8,
     quantize_int8_blocks,
     unpack_int4,
 )
@@ -44,10 +45,11 @@ def _quantized():
         k = w.shape[1]
         yield quantize(w, "int8")
         yield quantize_int8_blocks(w)
-        yield quantize(w, "fp8")
+        yield quantize_fp8(w)  # per-channel
         for group in (32, 64, 128):
             if k % group == 0:
                 yield quantize(w, "int4", group)
+                yield quantize(w, "fp8", group)
 
 
 def _call(ext, x, qw):
@@ -55,7 +57,7 @@ def _call(ext, x, qw):
         return ext.q8_linear(x, qw.data, qw.scales, qw.group)
     if qw.format == "int4":
         return ext.q4_linear(x, qw.data, qw.scales, qw.mins, qw.group)
-    return ext.fp8_linear(x, qw.data, qw.scales.view(-1))
+    return ext.fp8_linear(x, qw.data, qw.scales, qw.group)
 
 
 @pytest.mark.parametrize("m", ROWS)

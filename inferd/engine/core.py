@@ -20,6 +20,8 @@ from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.model_runner import ModelRunner
 from inferd.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.stats import EngineStats, StatsLogger
+from inferd.kv.kv_cache import describe as describe_kv_cache
+from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model
@@ -90,7 +92,8 @@ class EngineCore:
         torch.manual_seed(config.seed)
 
         block_size = config.cache.block_size
-        bytes_per_block = mcfg.kv_bytes_per_token(self.dtype) * block_size
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        bytes_per_block = kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * block_size
         num_blocks = _kv_num_blocks(config, bytes_per_block, self.device)
         capacity = num_blocks * block_size
         wanted = config.scheduler.max_model_len
@@ -109,7 +112,7 @@ class EngineCore:
                                 quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
-        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device, kv_cache_dtype=kv_cache_dtype)
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
@@ -130,7 +133,7 @@ class EngineCore:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s)", num_blocks, capacity,
-                        num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."))  # fmt: skip
+                        num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype))  # fmt: skip
 
     # ---- requests -------------------------------------------------------------------------
     @property

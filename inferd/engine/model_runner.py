@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice
 from inferd.scheduler.scheduler import SchedulerOutput
@@ -64,6 +65,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         use_attention_kernel: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -71,8 +73,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = kv.block_size
-        self.kv_cache = allocate_kv_cache(cfg, kv.pool.num_blocks, kv.block_size, dtype, device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        storage = KVCache.storage_dtype(kv_cache_dtype, dtype)  # --kv-cache-dtype: inferd/kv/kv_cache.py
+        self.kv_cache = KVCache(allocate_kv_cache(cfg, kv.pool.num_blocks, kv.block_size, storage, device),
+                                kv_cache_dtype)  # fmt: skip
+        self.kv_caches = self.kv_cache.layers()
         # The C++ kernel reads K/V in place (fp32 on the CPU); elsewhere gather + SDPA.
         self.attention_kernel = None
         if use_attention_kernel and device.type == "cpu" and dtype == torch.float32:
@@ -173,7 +177,7 @@ class ModelRunner:
         if copies:
             src = self._tensor([s for s, _ in copies])
             dst = self._tensor([d for _, d in copies])
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self.kv_cache.copy_blocks(src, dst)
         batch = self.prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:

@@ -7,6 +7,7 @@ returns None after one line on stderr, and callers keep a PyTorch path that give
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import sys
@@ -16,6 +17,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def cpu_supports_avx2_fma() -> bool:
@@ -28,15 +30,17 @@ def cpu_supports_avx2_fma() -> bool:
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
 
 
-def build_dir(name: str) -> Path:
-    """`$INFERD_KERNEL_CACHE_DIR` or `<inferd cache>/kernels`, one folder per kernel and version.
-    (torch's loader rebuilds by itself when the source or flags change.)"""
+def build_dir(name: str, source: str) -> Path:
+    """`$INFERD_KERNEL_CACHE_DIR` or `<inferd cache>/kernels`, one folder per kernel, source text
+    and version: checkouts with different sources (git worktrees, branches) sharing the cache
+    would otherwise rebuild over each other, and a process could import the other's build."""
     from inferd.loader.default_model import cache_dir
 
     root = os.environ.get("INFERD_KERNEL_CACHE_DIR")
     tag = torch.__version__.replace("+", "_")
+    digest = hashlib.sha256((CSRC / source).read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     base = Path(root) if root else cache_dir() / "kernels"
-    path = base / f"{name}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
+    path = base / f"{name}-{digest}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -48,7 +52,7 @@ def load_extension(name: str, source: str, what: str) -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    directory = build_dir(name)
+    directory = build_dir(name, source)
     if not any(directory.glob("*.so")):
         print(f"inferd: compiling {what} (once) into {directory}", file=sys.stderr, flush=True)
     try:
@@ -56,7 +60,7 @@ def load_extension(name: str, source: str, what: str) -> ModuleType | None:
             name=f"inferd_{name}",
             sources=[str(CSRC / source)],
             build_directory=str(directory),
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

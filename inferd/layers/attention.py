@@ -10,6 +10,11 @@ Two shapes cover every scheduler choice:
   with no earlier context, keys come straight from the chunk under a plain causal mask; otherwise
   from the cache under the shifted causal mask (chunked prefill, prefix-cache hits, recomputation).
 The masks and index tensors are built once per step (`AttentionMetadata`) and shared by all layers.
+
+A quantized cache (`--kv-cache-dtype int8|fp8`, inferd/kv/kv_cache.py) arrives as `QuantizedKV`:
+K/V are quantized as they are written and dequantized as they are read (the C++ kernel reads the
+codes in place), and a chunk without earlier context attends to its own K/V *as stored*, so every
+path sees the same values whatever the chunking.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from inferd.kv.kv_cache import LayerKV, QuantizedKV
 
 
 @dataclass(slots=True)
@@ -58,12 +65,20 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
 
 
+def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks [n] of one layer's K or V → [n, block_size, kv_heads, D] (index_select: far cheaper
+    than 2-D advanced indexing)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.gather(blocks, dtype)
+    return cache.index_select(0, blocks)
+
+
 def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, gqa: bool):
     _, block_size, n_kv, d = k_cache.shape
     b, max_blocks = g.block_tables.shape
-    flat = g.block_tables.view(-1)  # index_select: far cheaper than 2-D advanced indexing
-    keys = k_cache.index_select(0, flat).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
-    vals = v_cache.index_select(0, flat).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
+    flat = g.block_tables.view(-1)
+    keys = _gather(k_cache, flat, q.dtype).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
+    vals = _gather(v_cache, flat, q.dtype).view(b, max_blocks * block_size, n_kv, d).transpose(1, 2)
     n_heads = q.shape[1]
     if g.is_whole_batch:
         qp = q
@@ -79,22 +94,33 @@ def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    k_cache: LayerKV,  # [num_blocks, block_size, Hkv, D]
+    v_cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
     _, block_size, n_kv, d = k_cache.shape
-    k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized:
+        k = k_cache.write(meta.slot_mapping, k)
+        v = v_cache.write(meta.slot_mapping, v)
+    else:
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != n_kv
 
     g = meta.group
     if g is not None and g.kernel is not None:
         out = torch.empty_like(q)
-        g.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start, g.q_lens,
-                                       g.ctx_lens, g.block_tables, out, scale)  # fmt: skip
+        if quantized:
+            g.kernel.paged_attention_short_quant(
+                q.contiguous(), k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
+                k_cache.fmt.kernel_code, g.row_start, g.q_lens, g.ctx_lens, g.block_tables, out, scale,
+            )  # fmt: skip
+        else:
+            g.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start, g.q_lens,
+                                           g.ctx_lens, g.block_tables, out, scale)  # fmt: skip
         if not meta.prefills:
             return out
     elif g is not None:
@@ -114,8 +140,8 @@ def paged_attention(
                                                enable_gqa=gqa)  # fmt: skip
         else:
             n = p.block_table.numel()
-            kp = k_cache.index_select(0, p.block_table).view(1, n * block_size, n_kv, d)[:, : p.context_len]
-            vp = v_cache.index_select(0, p.block_table).view(1, n * block_size, n_kv, d)[:, : p.context_len]
+            kp = _gather(k_cache, p.block_table, q.dtype).view(1, n * block_size, n_kv, d)[:, : p.context_len]
+            vp = _gather(v_cache, p.block_table, q.dtype).view(1, n * block_size, n_kv, d)[:, : p.context_len]
             o = F.scaled_dot_product_attention(
                 qp, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=p.mask, scale=scale,
                 enable_gqa=gqa,

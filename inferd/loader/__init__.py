@@ -44,14 +44,15 @@ def load_model(
     """Load a GGUF file or HF directory (None: the default model), printing the load time.
 
     `quantization` is the engine's `--quantization`: unless "none", a GGUF file's Q8_0/Q4_0/Q4_1
-    matrices stay in their blocks (`QuantizedWeight`) instead of being dequantized to fp32."""
+    matrices, and an AWQ / GPTQ checkpoint's int4 layers, stay in their blocks (`QuantizedWeight`)
+    instead of being dequantized to fp32."""
     from inferd.quantization.policy import keeps_file_quantization
 
     keep = keeps_file_quantization(quantization)
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.is_dir():
-        loaded = load_hf_dir(path, show_progress=verbose)
+        loaded = load_hf_dir(path, show_progress=verbose, keep_quantized=keep)
     elif path.is_file():
         loaded = conversion_cache.load_cached(path, keep) if use_cache else None
         if loaded is None:

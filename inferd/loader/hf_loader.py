@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from inferd.config import ModelConfig
+from inferd.loader import hf_quantized
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
 
@@ -97,7 +98,8 @@ def hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     )
 
 
-def load_hf_dir(directory: Path, show_progress: bool = True) -> LoadedModel:
+def load_hf_dir(directory: Path, show_progress: bool = True, keep_quantized: bool = False) -> LoadedModel:
+    """`keep_quantized`: an AWQ / GPTQ checkpoint's layers stay int4 (`QuantizedWeight`), else fp32."""
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{directory}: not a model directory (no config.json)")
@@ -112,6 +114,7 @@ def load_hf_dir(directory: Path, show_progress: bool = True) -> LoadedModel:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")
     weights: dict[str, torch.Tensor] = {}
     dtypes: set[str] = set()
+    method = hf_quantized.quant_method(cfg)
     for f in tqdm(files, desc="Loading safetensors", unit="file", disable=not show_progress,
                   leave=False):  # fmt: skip
         try:
@@ -119,9 +122,13 @@ def load_hf_dir(directory: Path, show_progress: bool = True) -> LoadedModel:
                 for name in sf.keys():
                     t = sf.get_tensor(name)
                     dtypes.add(str(t.dtype).removeprefix("torch."))
-                    weights[name] = t.float()
+                    # Packed int32 words of a quantized checkpoint must not pass through fp32.
+                    weights[name] = t if method and not t.is_floating_point() else t.float()
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read safetensors: {e}") from e
+    if method:
+        weights = hf_quantized.convert(weights, cfg, keep_quantized)
+        dtypes.add(method.upper())
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         raise ModelLoadError(f"{directory}: lm_head.weight missing and embeddings are not tied")
     return LoadedModel(

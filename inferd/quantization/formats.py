@@ -8,7 +8,10 @@ every tensor alike):
 - "int4": data uint8 [N, K / 2]; scales and mins [N, K / group] fp16; w = q * scale + min with q
   in 0..15; each 32-weight block's 16 bytes hold weights 0..15 in the low nibbles and 16..31 in the
   high ones — GGUF's Q4_0/Q4_1 byte order, so those load by copying (Q4_0: min = -8 * scale).
-- "fp8": data uint8 [N, K] holding float8_e4m3fn bits; scales fp32 [N, 1]; w = e4m3(q) * scale.
+- "fp8": data uint8 [N, K] holding float8_e4m3fn bits; scales fp32 [N, K / group]; w = e4m3(q) * scale.
+  Groups of 32 by default: E4M3's precision is relative, but a per-channel scale set by one large
+  weight pushes groups of small ones into its coarse subnormal range (measured on SmolLM2-135M:
+  perplexity +2.0% per-channel, +1.3% with groups of 32, fp32 head in both).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     if w.format == "int4":
         return unpack_int4(data).float() * _expand(scales, w.group) + _expand(mins, w.group)
     if w.format == "fp8":
-        return data.view(torch.float8_e4m3fn).float() * scales.float()
+        return data.view(torch.float8_e4m3fn).float() * _expand(scales, w.group)
     raise ValueError(f"unknown quantized format {w.format!r}")
 
 
@@ -138,13 +141,20 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
                            mins.contiguous(), (n, k), group, f"int4 group {group}")  # fmt: skip
 
 
-def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
-    """float8_e4m3fn with an fp32 scale per output channel (max |w| maps to 448)."""
+def quantize_fp8(w: torch.Tensor, group: int | None = None) -> QuantizedWeight:
+    """float8_e4m3fn with an fp32 scale per `group` weights along K (None: per output channel);
+    each group's max |w| maps to 448."""
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedWeight("fp8", q.view(torch.uint8).contiguous(), scale.contiguous(), None,
-                           tuple(w.shape), w.shape[1], "fp8 e4m3 per-channel")  # fmt: skip
+    n, k = w.shape
+    group = group or k
+    if group % 32 or k % group:
+        raise ValueError(f"fp8 group {group} must be a multiple of 32 dividing K={k}")
+    g = w.reshape(n, k // group, group)
+    scale = (g.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    q = (g / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(n, k)
+    what = "per-channel" if group == k else f"group {group}"
+    return QuantizedWeight("fp8", q.view(torch.uint8).contiguous(), scale.reshape(n, -1).contiguous(),
+                           None, (n, k), group, f"fp8 e4m3 {what}")  # fmt: skip
 
 
 def quantize(w: torch.Tensor, fmt: str, group: int = 32) -> QuantizedWeight:
@@ -156,7 +166,7 @@ def quantize(w: torch.Tensor, fmt: str, group: int = 32) -> QuantizedWeight:
     if fmt == "int4":
         return quantize_int4(w, group)
     if fmt == "fp8":
-        return quantize_fp8(w)
+        return quantize_fp8(w, group)
     raise ValueError(f"unknown quantized format {fmt!r}")
 
 
@@ -230,4 +240,4 @@ def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return ext.q8_linear(x2, w.data, w.scales, w.group)
     if w.format == "int4":
         return ext.q4_linear(x2, w.data, w.scales, w.mins, w.group)
-    return ext.fp8_linear(x2, w.data, w.scales.view(-1))
+    return ext.fp8_linear(x2, w.data, w.scales, w.group)

@@ -5,7 +5,9 @@ CPython's language reference (`pydoc_data/topics.py`, shipped with every CPython
 
 The text is cut into non-overlapping windows; each window is one prefill through the model and
 scores its next-token predictions. Modes int8/int4/fp8 quantize the fp32 weights (so "int4" tests
-inferd's quantizer); "auto" keeps a GGUF's blocks as shipped. The last line is one JSON document.
+inferd's quantizer); "auto" keeps a GGUF's blocks as shipped; "kv-int8", "kv-fp8", "kv-fp8_e5m2"
+keep fp32 weights and store K/V as `--kv-cache-dtype` would (attention reads every key and value
+back quantized, the window's own included). The last line is one JSON document.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.engine.model_runner import allocate_kv_cache
+from inferd.kv.kv_cache import KVCache, kv_bytes_per_token
 from inferd.layers.attention import AttentionMetadata, PrefillSlice
 from inferd.loader import LoadedModel, load_model
 from inferd.models import build_model
@@ -63,13 +66,18 @@ def _one_prefill(t: int, block: int, nblocks: int) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def perplexity(model: torch.nn.Module, ids: list[int], window: int = 512) -> float:
+def perplexity(
+    model: torch.nn.Module, ids: list[int], window: int = 512, kv_cache_dtype: str = "auto"
+) -> float:
     """exp(mean NLL) of ids[1:] given the preceding tokens of their window."""
     cfg = model.config
     block = 16
     nblocks = (window + block - 1) // block
-    kv = allocate_kv_cache(cfg, nblocks, block, torch.float32, torch.device("cpu"))
-    caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
+    storage = KVCache.storage_dtype(kv_cache_dtype, torch.float32)
+    kv = KVCache(
+        allocate_kv_cache(cfg, nblocks, block, storage, torch.device("cpu")), kv_cache_dtype
+    )
+    caches = kv.layers()
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor(ids[start : start + window + 1])
@@ -89,21 +97,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--tokens", type=int, default=20480)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--modes", default="none,auto,int8,fp8,int4,int4-g64,int4-g128")
+    p.add_argument(
+        "--modes", default="none,auto,int8,fp8,int4,int4-g64,int4-g128,kv-int8,kv-fp8,kv-fp8_e5m2"
+    )
     args = p.parse_args(argv)
     loaded = load_model(args.model, quantization="auto")
     ids = reference_tokens(loaded, args.tokens)
     rows = []
     base = None
     for spec in args.modes.split(","):
-        mode, _, g = spec.partition("-g")
+        kv_dtype = spec.removeprefix("kv-") if spec.startswith("kv-") else "auto"
+        mode, _, g = ("none" if spec.startswith("kv-") else spec).partition("-g")
         t0 = time.perf_counter()
         model = build_for_mode(loaded, mode, int(g or 32), args.window + 1)
-        ppl = perplexity(model, ids, args.window)
-        base = ppl if mode == "none" else base
+        ppl = perplexity(model, ids, args.window, kv_dtype)
+        base = ppl if spec == "none" else base
         row = {"mode": spec, "ppl": round(ppl, 4),
                "vs_fp32": round(ppl / base - 1, 5) if base else None,
-               "weight_mib": round(resident_weight_bytes(model) / 2**20, 1),
+               "weight_mib": round(resident_weight_bytes(model) / 2**20, 1), "kv_cache_dtype": kv_dtype,
+               "kv_bytes_per_token": kv_bytes_per_token(loaded.config, torch.float32, kv_dtype),
                "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         rows.append(row)
         print(f"{spec:<10} ppl {ppl:9.4f}  vs fp32 {row['vs_fp32']}  weights "

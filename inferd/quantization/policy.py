@@ -4,7 +4,8 @@ Modes:
 - "none": every weight dequantised to the compute dtype (fp32 on these CPUs).
 - "auto" (default): keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors in their blocks (fused kernels serve
   them); everything else as in "none". An fp32/fp16/bf16 checkpoint therefore runs unquantized.
-- "int8" (per-channel), "int4" (group-wise asymmetric, `group` 32/64/128), "fp8" (E4M3 per-channel):
+- "int8" (per-channel), "int4" (group-wise asymmetric, `group` 32/64/128), "fp8" (E4M3, an fp32
+  scale per `group` weights):
   every linear layer in that format. GGUF blocks that already are that format are kept as
   shipped; others are dequantised and re-quantised. The output head (and a tied embedding, which
   shares it) uses int8 in "int4" and "fp8" modes: logits are the most sensitive matmul (as in
@@ -66,7 +67,7 @@ def linear_weight(
     if keep and (fmt != "int4" or quantized[0].group == group):
         return quantized[0] if len(parts) == 1 else cat_rows(quantized)
     w = _fp32(parts)
-    if fmt == "int4":
+    if fmt in ("int4", "fp8"):
         # A layer whose input dim the group does not divide takes the next smaller group size.
         group = next((g for g in (group, 64, 32) if g <= group and w.shape[1] % g == 0), group)
     return quantize(w, fmt, group)
@@ -136,7 +137,9 @@ def _linear_bytes(w, mode: str, group: int, head: bool) -> int:
     fmt = "int8" if (mode in ("int4", "fp8") and head) else mode
     if native and w.format == fmt and (fmt != "int4" or w.group == group):
         return w.nbytes
+    g = next((g for g in (group, 64, 32) if g <= group and k % g == 0), group)
     if fmt == "int4":
-        g = next((g for g in (group, 64, 32) if g <= group and k % g == 0), group)
         return n * k // 2 + 4 * n * (k // g)
-    return n * k + 4 * n  # int8 / fp8 per-channel: a byte per weight + an fp32 scale per row
+    if fmt == "fp8":
+        return n * k + 4 * n * (k // g)  # a byte per weight + an fp32 scale per group
+    return n * k + 4 * n  # int8 per-channel: a byte per weight + an fp32 scale per row

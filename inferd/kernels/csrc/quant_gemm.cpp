@@ -4,7 +4,7 @@
 //   q8:  int8  [N, K]      w = q * scale[n, g]
 //   q4:  uint8 [N, K / 2]  w = q * scale[n, g] + min[n, g]; in each block of 32 the 16 bytes hold
 //        weights 0..15 in their low nibbles and 16..31 in their high nibbles (GGUF Q4_0/Q4_1).
-//   fp8: uint8 [N, K]      E4M3 (float8_e4m3fn bits), w = e4m3(q) * scale[n] (group = K)
+//   fp8: uint8 [N, K]      E4M3 (float8_e4m3fn bits), w = e4m3(q) * scale[n, g] (fp32 scales)
 // A group (one scale/min) spans `group` weights, a multiple of 32; group == K is per-channel.
 // Scales and mins are fp32 or fp16 (GGUF keeps fp16 ones; we keep them as shipped).
 //
@@ -87,11 +87,11 @@ struct Q4 {
 
 // E4M3 → fp32 without a table: put the 7 magnitude bits where fp32's exponent/mantissa start
 // (exponent field = e, so the value is 2^(e-127)·1.m, or the subnormal m/8·2^-126 when e == 0)
-// and multiply by 2^120 to rebias 127 → 7. The per-row scale folds into that multiply.
+// and multiply by 2^120 to rebias 127 → 7. The group's scale folds into that multiply.
 struct FP8 {
   const uint8_t* q;
-  const float* scale;  // [N]
-  int64_t K;
+  const float* scale;  // [N, K / group]
+  int64_t K, groups_per_row, blocks_per_group;
   static inline __m256 decode8(__m128i bytes, __m256 mul) {
     __m256i v = _mm256_cvtepu8_epi32(bytes);
     __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 20);
@@ -102,7 +102,7 @@ struct FP8 {
     const uint8_t* p = q + n * K + b * 32;
     __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
-    __m256 mul = _mm256_set1_ps(scale[n] * 0x1p120f);
+    __m256 mul = _mm256_set1_ps(scale[n * groups_per_row + b / blocks_per_group] * 0x1p120f);
     w[0] = decode8(lo, mul);
     w[1] = decode8(_mm_srli_si128(lo, 8), mul);
     w[2] = decode8(hi, mul);
@@ -286,14 +286,15 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
                        K / group, group / 32}, x, N);
 }
 
-torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
   check_x(x);
   const int64_t N = q.size(0), K = x.size(1);
   TORCH_CHECK(q.element_size() == 1 && q.is_contiguous() && q.size(1) == K,
               "fp8 weight must be contiguous 1-byte [N, K]");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
-                  scale.numel() == N, "fp8 scales must be contiguous fp32 [N]");
-  return run(FP8{static_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(), K}, x, N);
+  check_groups(scale, N, K, group);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "fp8 scales must be fp32");
+  return run(FP8{static_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(), K, K / group,
+                 group / 32}, x, N);
 }
 
 }  // namespace
@@ -302,5 +303,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x[M,K] · dequant(int8 blocks)^T");
   m.def("q4_linear", &q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T");
   // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
-  m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3, per-row scale)^T");
+  m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
 }

@@ -1,0 +1,151 @@
+"""The KV tensors of every layer, stored as `--kv-cache-dtype` says: the model's dtype (`auto`) or
+one byte per element (`int8`, `fp8` = `fp8_e4m3`, `fp8_e5m2`) with one fp32 scale per (slot, kv
+head), quantized as K/V are written and dequantized as attention reads them.
+
+The scale is dynamic: each new token's head vector is scaled so its largest |value| maps to the
+format's largest code, so nothing needs calibrating and an outlier in one token or head costs
+precision only there. With the default model's head_dim 64 a slot-head takes 64 + 4 bytes instead
+of 256 (fp32): the same memory holds 3.76x the tokens (1.88x against bf16).
+
+Layout: data [layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim] (uint8 codes when
+quantized), scales [layers, 2, num_blocks, block_size, kv_heads] fp32 (quantized only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.config import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """One byte per element: `code_dtype` values stored as their uint8 bits."""
+
+    name: str  # "int8" | "fp8_e4m3" | "fp8_e5m2"
+    code_dtype: torch.dtype
+    qmax: float  # largest finite code: a head vector's max |value| maps to it
+    kernel_code: int  # the format's number in csrc/paged_attention.cpp
+
+
+_FORMATS = {
+    "int8": KVFormat("int8", torch.int8, 127.0, 0),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 1),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 2),
+}
+
+
+def kv_format(kv_cache_dtype: str) -> KVFormat | None:
+    """The quantized format of a `--kv-cache-dtype`, or None for `auto` (the model's dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "auto":
+        return None
+    return _FORMATS["fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Pool bytes one token takes over all layers, K and V, scales included."""
+    fmt = kv_format(kv_cache_dtype)
+    if fmt is None:
+        return cfg.kv_bytes_per_token(dtype)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+
+
+def describe(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    fmt = kv_format(kv_cache_dtype)
+    return (
+        str(dtype).removeprefix("torch.")
+        if fmt is None
+        else f"{fmt.name} + fp32 scale per token and head"
+    )
+
+
+# ---- quantization ------------------------------------------------------------------------------
+def quantize_kv(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] → (uint8 codes [..., D], fp32 scales [...]) with x ≈ code * scale."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / fmt.qmax
+    y = (x / scale.clamp_min(1e-30).unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax)
+    codes = y.round_().to(torch.int8) if fmt.code_dtype == torch.int8 else y.to(fmt.code_dtype)
+    return codes.view(torch.uint8), scale
+
+
+def dequantize_kv(
+    codes: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """uint8 codes [..., D] and scales [...] → values [..., D] in `dtype`."""
+    return (codes.view(fmt.code_dtype).float() * scale.unsqueeze(-1)).to(dtype)
+
+
+@dataclass(slots=True)
+class QuantizedKV:
+    """One layer's K (or V) when quantized: what attention receives instead of a plain tensor."""
+
+    data: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] uint8 codes
+    scale: torch.Tensor  # [num_blocks, block_size, kv_heads] fp32
+    fmt: KVFormat
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Store x [T, kv_heads, D] at flat `slots`; returns x as stored (dequantized), so
+        attention over this step's own K/V sees what later steps will read back."""
+        _, _, h, d = self.data.shape
+        codes, scale = quantize_kv(x, self.fmt)
+        self.data.view(-1, h, d).index_copy_(0, slots, codes)
+        self.scale.view(-1, h).index_copy_(0, slots, scale)
+        return dequantize_kv(codes, scale, self.fmt, x.dtype)
+
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks `blocks` [n] dequantized: [n, block_size, kv_heads, head_dim] in `dtype`."""
+        return dequantize_kv(self.data.index_select(0, blocks), self.scale.index_select(0, blocks),
+                             self.fmt, dtype)  # fmt: skip
+
+
+LayerKV = torch.Tensor | QuantizedKV
+
+
+class KVCache:
+    """All layers' K/V over the block pool (see the module docstring for the layout)."""
+
+    def __init__(self, data: torch.Tensor, kv_cache_dtype: str = "auto") -> None:
+        """`data` comes zeroed from the runner's allocator, in `storage_dtype(...)`."""
+        self.data = data
+        self.fmt = kv_format(kv_cache_dtype)
+        self.scales: torch.Tensor | None = None
+        if self.fmt is not None:
+            if data.dtype != torch.uint8:
+                raise ValueError(f"a {self.fmt.name} KV cache stores uint8 codes, got {data.dtype}")
+            # Zeroed: padded, masked slots are read too, and a garbage NaN scale would poison them.
+            self.scales = torch.zeros(data.shape[:-1], dtype=torch.float32, device=data.device)
+
+    @staticmethod
+    def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+        return dtype if kv_format(kv_cache_dtype) is None else torch.uint8
+
+    @property
+    def nbytes(self) -> int:
+        n = self.data.numel() * self.data.element_size()
+        return n + (0 if self.scales is None else self.scales.numel() * 4)
+
+    def layers(self) -> list[tuple[LayerKV, LayerKV]]:
+        """Per layer (K, V): views of the pool, plain tensors or `QuantizedKV`."""
+        if self.scales is None:
+            return [(self.data[i, 0], self.data[i, 1]) for i in range(self.data.shape[0])]
+        return [tuple(QuantizedKV(self.data[i, j], self.scales[i, j], self.fmt) for j in (0, 1))
+                for i in range(self.data.shape[0])]  # fmt: skip
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: blocks `src` → `dst` in every layer, K and V (scales too)."""
+        self.data[:, :, dst] = self.data[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]
