@@ -31,18 +31,20 @@ def cpu_supports_avx2_fma() -> bool:
 
 
 def build_dir(name: str, source: str) -> Path:
-    """`$INFERD_KERNEL_CACHE_DIR` or `<inferd cache>/kernels`, one folder per kernel, source text
-    and version: checkouts with different sources (git worktrees, branches) sharing the cache
-    would otherwise rebuild over each other, and a process could import the other's build."""
+    """`$INFERD_KERNEL_CACHE_DIR` or `<inferd cache>/kernels`, one folder per kernel, source file
+    (path and text) and version: checkouts sharing the cache (git worktrees, branches) would
+    otherwise rebuild over each other, and a process could import another checkout's build."""
     from inferd.loader.default_model import cache_dir
 
     root = os.environ.get("INFERD_KERNEL_CACHE_DIR")
     tag = torch.__version__.replace("+", "_")
-    digest = hashlib.sha256((CSRC / source).read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    path = CSRC / source
+    key = f"{path}\0{' '.join(CFLAGS)}\0".encode() + path.read_bytes()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     base = Path(root) if root else cache_dir() / "kernels"
-    path = base / f"{name}-{digest}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    folder = base / f"{name}-{digest}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def load_extension(name: str, source: str, what: str) -> ModuleType | None:

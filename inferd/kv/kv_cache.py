@@ -13,6 +13,7 @@ quantized), scales [layers, 2, num_blocks, block_size, kv_heads] fp32 (quantized
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,19 @@ def dequantize_kv(
     codes: torch.Tensor, scale: torch.Tensor, fmt: KVFormat, dtype: torch.dtype
 ) -> torch.Tensor:
     """uint8 codes [..., D] and scales [...] → values [..., D] in `dtype`."""
-    return (codes.view(fmt.code_dtype).float() * scale.unsqueeze(-1)).to(dtype)
+    if fmt.code_dtype == torch.int8:
+        values = codes.view(torch.int8).float()
+    else:  # a 256-entry table: ~4x faster than PyTorch's fp8 → fp32 conversion on the CPU
+        table = _code_values(fmt.name, str(codes.device))
+        values = table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return (values * scale.unsqueeze(-1)).to(dtype)
+
+
+@functools.cache
+def _code_values(name: str, device: str) -> torch.Tensor:
+    """fp32 value of each of the 256 codes of format `name`."""
+    fmt = _FORMATS[name]
+    return torch.arange(256, dtype=torch.uint8).view(fmt.code_dtype).float().to(device)
 
 
 @dataclass(slots=True)
