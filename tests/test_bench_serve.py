@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from test_server_utils import SMALL_ENGINE, RemoteServer, free_port
 
@@ -14,6 +15,9 @@ from inferd.cli import main
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
     srv = RemoteServer(*SMALL_ENGINE)
+    # One request first: C++ kernels compile on first use (minutes on a loaded machine), which
+    # would otherwise land inside the measured TTFTs.
+    httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=900)
     yield srv
     srv.close()
 
@@ -22,7 +26,7 @@ def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> N
     result_file = tmp_path / "out.json"
     argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
             "--concurrency", "1,4", "--input-len", "32", "--output-len", "8", "--ignore-eos",
-            "--slo-ttft-ms", "60000", "--result-file", str(result_file),
+            "--slo-ttft-ms", "600000", "--result-file", str(result_file),
             "--plot-dir", str(tmp_path / "plots")]  # fmt: skip
     assert main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -34,7 +38,7 @@ def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> N
         assert p["output_tokens_per_request"] == [8] * 8  # ignore_eos: exactly max_tokens
         assert p["prompt_tokens"] >= 8 * 32
         assert p["output_tps"] > 0 and p["total_tps"] > p["output_tps"] and p["requests_per_s"] > 0
-        # A 60 s TTFT SLO: every request meets it.
+        # A 600 s TTFT SLO: every request meets it, however loaded the machine.
         assert p["goodput_rps"] == pytest.approx(p["requests_per_s"])
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             s = p[key]
