@@ -27,6 +27,18 @@ def draft_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("draft") / "draft.gguf", with_seed(TinySpec(), 7), quant="f32")
 
 
+@pytest.fixture(scope="module")
+def near_draft_gguf(tiny_llama_gguf, tmp_path_factory):
+    """The target's weights with a flatter, noisier LM head: the draft's distribution overlaps the
+    target's (many drafts accepted) but is wider (many rejected, so the residual distribution is
+    exercised). Two independent random models share almost no candidates at top-k / top-p."""
+    sd = {name: w.clone() for name, w in tiny_llama_gguf.original.items()}
+    g = torch.Generator().manual_seed(11)
+    head = sd["lm_head.weight"]
+    sd["lm_head.weight"] = 0.6 * head + 0.1 * torch.randn(head.shape, generator=g)
+    return write_gguf(tmp_path_factory.mktemp("near") / "near.gguf", tiny_llama_gguf.spec, quant="f32", state_dict=sd)
+
+
 def _llm(path, spec=None, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", KV)
     return LLM(str(path), dtype="float32", device="cpu", verbose=False, speculative_config=spec, **kw)
@@ -163,19 +175,19 @@ def _token_histograms(llm: LLM, prompt: list[int], params: SamplingParams, sampl
     return hist
 
 
-def test_sampling_distribution_unchanged_end_to_end(tiny_llama_gguf, draft_gguf):
+def test_sampling_distribution_unchanged_end_to_end(tiny_llama_gguf, near_draft_gguf):
     """Token frequencies at every output position match with and without speculation
-    (total-variation distance within sampling noise) at temperature 1 with top-k 40 / top-p 0.95 (wide enough that the
-    two random models' candidate sets overlap and some drafts are accepted)."""
+    (total-variation distance within sampling noise) at temperature 1 with top-k 40 / top-p 0.95,
+    with a draft that is accepted often but not always."""
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_tokens=4, ignore_eos=True)
     prompt = list(range(3, 19))
     samples = 1500
     off = _token_histograms(_llm(tiny_llama_gguf.path, max_num_seqs=256), prompt, params, samples)
-    on_llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(draft_gguf.path)},
+    on_llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(near_draft_gguf.path)},
                   max_num_seqs=256, kv_cache_memory=8 << 20)  # fmt: skip
     on = _token_histograms(on_llm, prompt, params, samples)
     stats = on_llm.engine.get_stats()
-    assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert 0.1 * stats.spec_draft_tokens < stats.spec_accepted_tokens < 0.9 * stats.spec_draft_tokens, stats
     for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
         keys = set(off[pos]) | set(on[pos])
         tv = 0.5 * sum(abs(off[pos][t] - on[pos][t]) for t in keys) / samples
