@@ -69,7 +69,7 @@ def _case(
     else:
         k_cache.write(all_slots, fill_k), v_cache.write(all_slots, fill_v)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    slots, t, sdpa, kern = make_groups(shapes, bs, perm)
+    slots, t, sdpa, kern, _ = make_groups(shapes, bs, perm)
     q = torch.randn(t, hq, d, generator=g)
     k = torch.randn(t, hkv, d, generator=g) * 3
     v = torch.randn(t, hkv, d, generator=g)

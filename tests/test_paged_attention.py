@@ -1,22 +1,30 @@
-"""The C++ paged attention kernel equals the gather + SDPA path on random caches of awkward shapes
-(GQA groups, short multi-token queries, contexts ending mid-block, shuffled block tables)."""
+"""The fast attention paths equal the gather + SDPA path on random caches of awkward shapes (GQA
+groups, short multi-token queries, contexts ending mid-block, shuffled block tables): the C++
+kernel, and cascade attention for groups whose sequences share leading blocks."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 from inferd.kernels.paged_attention import extension
-from inferd.layers.attention import AttentionMetadata, PaddedGroup, paged_attention
+from inferd.layers import attention
+from inferd.layers.attention import AttentionMetadata, PaddedGroup, paged_attention, shared_prefix
+
+CPU = torch.device("cpu")
 
 
-def make_groups(shapes: list[tuple[int, int]], bs: int, perm: list[int]):
+def make_groups(shapes: list[tuple[int, int]], bs: int, perm: list[int], shared: int = 0):
     """The padded group of sequences with `shapes` — (q_len, context after the step) each — whose
-    blocks are popped from `perm`, for both paths: (slots [T], T, SDPA group, kernel group)."""
+    blocks are popped from `perm` (the first `shared` blocks of every table the same ones), for every
+    path: (slots [T], T, SDPA group, kernel group, cascade group or None)."""
+    common_blocks = [perm.pop() for _ in range(shared)]
     tables, slots, rows, start = [], [], [], 0
     for q_len, ctx in shapes:
         n_blocks = -(-ctx // bs)
-        table = [perm.pop() for _ in range(n_blocks)]
+        table = common_blocks[:n_blocks] + [perm.pop() for _ in range(n_blocks - shared)]
         tables.append(table)
         slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
         rows.append(start)
@@ -39,22 +47,32 @@ def make_groups(shapes: list[tuple[int, int]], bs: int, perm: list[int]):
     sdpa = PaddedGroup(mask=mask, **common)
     kern = PaddedGroup(mask=None, kernel=extension(), row_start=torch.tensor(rows), q_lens=q_lens,
                        ctx_lens=ctxs, **common)  # fmt: skip
-    return torch.tensor(slots), start, sdpa, kern
+    plan = shared_prefix([(n, c, tab) for (n, c), tab in zip(shapes, tables)], q_max, bs, CPU)
+    cascade = PaddedGroup(mask=mask, shared=plan, **common) if plan is not None else None
+    return torch.tensor(slots), start, sdpa, kern, cascade
 
 
-def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int, int]]):
+def _case(seed, hq, hkv, d, bs, shapes: list[tuple[int, int]], shared=0, dtype=torch.float32):
+    """shapes: (q_len, context after the step) per sequence; the first `shared` blocks of every
+    block table are the same blocks. Returns {path: output} for every path that applies."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
-    slots, t, sdpa, kern = make_groups(shapes, bs, torch.randperm(num_blocks, generator=g).tolist())
-    q = torch.randn(t, hq, d, generator=g)
-    k = torch.randn(t, hkv, d, generator=g)
-    v = torch.randn(t, hkv, d, generator=g)
-    outs = []
-    for group in (sdpa, kern):
+    num_blocks = shared + sum(-(-ctx // bs) for _, ctx in shapes) + 3
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    slots, t, sdpa, kern, cascade = make_groups(shapes, bs, perm, shared)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    groups = {"sdpa": sdpa}
+    if extension() is not None and dtype == torch.float32:
+        groups["kernel"] = kern
+    if cascade is not None:
+        groups["cascade"] = cascade
+    outs = {}
+    for name, group in groups.items():
         meta = AttentionMetadata(slots, bs, group, [])
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5))
+        outs[name] = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5)
     return outs
 
 
@@ -69,5 +87,69 @@ def _case(seed: int, hq: int, hkv: int, d: int, bs: int, shapes: list[tuple[int,
     ],
 )
 def test_kernel_matches_sdpa(hq, hkv, d, bs, shapes):
-    want, got = _case(0, hq, hkv, d, bs, shapes)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    outs = _case(0, hq, hkv, d, bs, shapes)
+    torch.testing.assert_close(outs["kernel"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,shared,shapes",
+    [
+        # The benchmark's shape: 16 suffixes of 32 after a 1,024-token prefix, default model heads.
+        (9, 3, 64, 16, 64, [(32, 1056)] * 16),
+        # Ragged: decodes, odd chunks, suffixes ending mid-block and on block boundaries.
+        (9, 3, 64, 16, 8, [(1, 129), (7, 135), (32, 160), (5, 133), (1, 200), (16, 144), (3, 131)]),
+        (4, 4, 32, 8, 17, [(3, 139), (1, 137), (11, 147), (8, 152)]),  # MHA
+        (8, 2, 16, 4, 33, [(7, 139), (2, 133), (1, 132)]),  # GQA 4; a query right after the prefix
+        (6, 1, 8, 1, 130, [(2, 135), (1, 131), (4, 134), (1, 300)]),  # MQA, block size 1
+    ],
+)
+def test_cascade_matches_sdpa(hq, hkv, d, bs, shared, shapes):
+    outs = _case(1, hq, hkv, d, bs, shapes, shared=shared)
+    assert "cascade" in outs
+    torch.testing.assert_close(outs["cascade"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_matches_sdpa_bf16():
+    outs = _case(2, 9, 3, 64, 16, [(9, 150), (1, 129), (20, 170)], shared=8, dtype=torch.bfloat16)
+    assert outs["cascade"].dtype == torch.bfloat16
+    torch.testing.assert_close(outs["cascade"], outs["sdpa"], rtol=2e-2, atol=2e-2)
+
+
+def _tables(shared: list[int], rest: list[list[int]]) -> list[list[int]]:
+    return [shared + r for r in rest]
+
+
+def test_shared_prefix_plan_exact_blocks_and_mask():
+    bs = 16
+    common = random.Random(0).sample(range(100, 200), 9)  # 144 tokens in 9 shared blocks
+    tables = _tables(common, [[1, 2], [3], [4, 5, 6]])
+    # (q_len, context after the step): all queries start after the 9 shared blocks.
+    seqs = [(4, 9 * bs + 20, tables[0]), (1, 9 * bs + 1, tables[1]), (3, 9 * bs + 40, tables[2])]
+    plan = shared_prefix(seqs, q_max=4, block_size=bs, device=CPU)
+    assert plan.blocks.tolist() == common
+    assert plan.rest_tables.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+    visible = plan.mask[:, 0] == 0  # [B, q_max, 3 * bs]
+    # Sequence 0: query i at position 144 + 16 + i sees rest keys [0, 16 + i].
+    assert [int(visible[0, i].sum()) for i in range(4)] == [17, 18, 19, 20]
+    assert int(visible[1, 0].sum()) == 1  # one query: the first key after the prefix
+    assert [int(visible[2, i].sum()) for i in range(3)] == [38, 39, 40]
+    assert visible[:, :, 0].all()  # padded rows too: no all -inf row (their output is dropped)
+    assert not visible[1, :, 1 * bs :].any()  # never a padding block
+
+
+def test_shared_prefix_plan_stops_where_tables_or_queries_diverge():
+    bs = 16
+    blocks = list(range(100, 120))
+    n_min = attention.CASCADE_MIN_SHARED_TOKENS // bs
+    # Tables diverge after n_min + 2 blocks.
+    a, b = blocks[:12], blocks[: n_min + 2] + [7, 8, 9, 10]
+    plan = shared_prefix([(1, 12 * bs, a), (1, len(b) * bs, b)], 1, bs, CPU)
+    assert plan.blocks.tolist() == blocks[: n_min + 2]
+    # A query inside a shared block (its key is written this step): sharing stops before it.
+    plan = shared_prefix([(1, 12 * bs, a), (10, (n_min + 1) * bs + 3, a[: n_min + 2])], 10, bs, CPU)
+    assert plan.blocks.tolist() == blocks[:n_min]
+    # Too little shared, or one sequence only: no plan.
+    short, n = blocks[: n_min - 1], (n_min - 1) * bs + 1
+    assert shared_prefix([(1, n, short + [1]), (1, n, short + [2])], 1, bs, CPU) is None
+    assert shared_prefix([(1, 12 * bs, a)], 1, bs, CPU) is None
+    assert shared_prefix([(1, 12 * bs, a), (1, 12 * bs, [0] + a[1:])], 1, bs, CPU) is None

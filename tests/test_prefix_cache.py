@@ -10,7 +10,7 @@ import pytest
 from inferd import LLM, SamplingParams
 from inferd.kv.block_pool import BlockPool
 from inferd.kv.kv_cache_manager import KVCacheManager
-from inferd.kv.prefix_cache import PrefixCache
+from inferd.layers import attention
 
 BS = 4
 
@@ -164,6 +164,61 @@ def test_concurrent_first_requests_share_prefix_while_running(tiny):
     assert computed <= 1.1 * (96 + 16 * 8)
     assert sum(o.metrics.num_cached_tokens == 96 for o in outs) == 15
     llm.engine.check_no_leaks()
+
+
+def _cascade_calls(monkeypatch) -> list[int]:
+    """Count the steps' cascade attention calls (the real function still runs)."""
+    calls: list[int] = []
+    real = attention._cascade_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_cascade_attention", counted)
+    return calls
+
+
+# Suffix lengths short enough for the padded group, most too long for the C++ kernel, ending
+# mid-block and on block boundaries.
+_SUFFIX_LENGTHS = [32, 5, 16, 17, 31, 9, 1, 24, 13, 32, 7, 20, 15, 3, 28, 11]
+
+
+def test_cascade_attention_greedy_identical_to_cache_off(tiny, monkeypatch):
+    # 150 shared tokens: 9 full blocks the 16 suffixes attend to through cascade attention.
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, tiny.vocab_size) for _ in range(150)]
+    prompts = [prefix + [rng.randrange(3, tiny.vocab_size) for _ in range(n)]
+               for n in _SUFFIX_LENGTHS]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    off = LLM(str(tiny.path), enable_prefix_caching=False, kv_cache_memory=8 << 20, verbose=False)
+    expected = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    on = LLM(str(tiny.path), kv_cache_memory=8 << 20, verbose=False)
+    on.generate([prefix + [5]], SamplingParams(max_tokens=1), use_tqdm=False)  # the prefix is hot
+    calls = _cascade_calls(monkeypatch)
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert calls  # the suffixes did go through cascade attention
+    on.engine.check_no_leaks()
+
+
+def test_cascade_attention_real_model_greedy_identical_to_cache_off(monkeypatch):
+    from inferd.bench.prompts import synthetic_prompt
+    from tests.real_model import loaded_default, make_llm
+
+    tok = loaded_default().tokenizer
+    prefix = synthetic_prompt(tok, 300, seed=5)
+    prompts = [prefix + synthetic_prompt(tok, n, seed=50 + i)
+               for i, n in enumerate(_SUFFIX_LENGTHS)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_llm(enable_prefix_caching=False).generate(
+        prompts, params, use_tqdm=False)]  # fmt: skip
+    on = make_llm()
+    on.generate([prefix + [5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    calls = _cascade_calls(monkeypatch)
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    assert got == expected and calls
+    on.engine.check_no_leaks()
 
 
 def test_running_blocks_survive_eviction_pressure(tiny):

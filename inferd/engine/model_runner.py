@@ -17,7 +17,7 @@ import torch
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_cache_manager import KVCacheManager
-from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice
+from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -167,6 +167,7 @@ class ModelRunner:
             mask=mask.unsqueeze(1),
             q_max=q_max,
             is_whole_batch=whole,
+            shared=shared_prefix([(n, c, t) for _, n, c, t in group], q_max, bs, self.device),
         )
 
     @torch.inference_mode()

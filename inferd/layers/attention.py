@@ -15,6 +15,11 @@ A quantized cache (`--kv-cache-dtype int8|fp8`, inferd/kv/kv_cache.py) arrives a
 K/V are quantized as they are written and dequantized as they are read (the C++ kernel reads the
 codes in place), and a chunk without earlier context attends to its own K/V *as stored*, so every
 path sees the same values whatever the chunking.
+
+When every sequence of a padded group starts with the same cached blocks (prefix-cache hits: one
+system prompt, a shared document), the group runs as cascade attention (`SharedPrefix`): the shared
+keys are attended once for all queries, each sequence's own keys in a small padded call, and the two
+partial softmaxes merge exactly through their log-sum-exps.
 """
 
 from __future__ import annotations
@@ -40,6 +45,61 @@ class PrefillSlice:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Leading blocks that every sequence of a padded group shares, all before any of its queries.
+
+    Key positions [0, P * block_size) come from `blocks` for everyone; a sequence's keys from
+    P * block_size on come from its row of `rest_tables`. Gathering the shared keys once instead of
+    once per sequence, and scoring all queries against them in one mask-free call (one large matrix
+    product instead of B small ones), is what the split saves."""
+
+    blocks: torch.Tensor  # [P] int64
+    rest_tables: torch.Tensor  # [B, R] int64 (padding points at block 0, masked)
+    # [B, 1, q_max, R * block_size] float: 0 where query i of sequence b may see rest key j, -inf
+    # elsewhere. Padded query rows (i >= q_len) see rest key 0 at least (never an all -inf row,
+    # whose softmax is NaN); their output is dropped.
+    mask: torch.Tensor
+
+
+# Cascade only pays when the shared part is long enough to outweigh a second attention call.
+CASCADE_MIN_SHARED_TOKENS = 128
+# The exact split needs each part's log-sum-exp: PyTorch's CPU flash kernel returns it.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def shared_prefix(
+    seqs: list[tuple[int, int, list[int]]], q_max: int, block_size: int, device: torch.device
+) -> SharedPrefix | None:
+    """The cascade plan for a padded group of (q_len, context after the step, block table), or None
+    when its sequences share too little (or the device has no LSE-returning attention kernel)."""
+    if len(seqs) < 2 or device.type != "cpu" or _FLASH_CPU is None:
+        return None
+    first = seqs[0][2]
+    # Only blocks wholly before every sequence's first query: those hold no key written this step.
+    shared = min((ctx - n) // block_size for n, ctx, _ in seqs)
+    for _, _, table in seqs[1:]:
+        k = 0
+        while k < shared and table[k] == first[k]:
+            k += 1
+        shared = k
+    if shared * block_size < CASCADE_MIN_SHARED_TOKENS:
+        return None
+    rest = [table[shared:] for _, _, table in seqs]
+    width = max(len(t) for t in rest)
+    padded = [t + [0] * (width - len(t)) for t in rest]
+    tables = torch.tensor(padded, dtype=torch.long, device=device)
+    q_len = torch.tensor([n for n, _, _ in seqs], device=device).view(-1, 1, 1)
+    ctx = torch.tensor([c for _, c, _ in seqs], device=device).view(-1, 1, 1)
+    i = torch.arange(q_max, device=device).view(1, -1, 1)
+    j = torch.arange(width * block_size, device=device).view(1, 1, -1)
+    # Query i sits at position ctx - q_len + i; rest key j at shared * block_size + j.
+    visible = (j + shared * block_size <= ctx - q_len + i) | ((i >= q_len) & (j == 0))
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    first_blocks = torch.tensor(first[:shared], dtype=torch.long, device=device)
+    return SharedPrefix(blocks=first_blocks, rest_tables=tables, mask=mask.unsqueeze(1))
+
+
+@dataclass(slots=True)
 class PaddedGroup:
     """Sequences attended in one call. Query row i of sequence b sits at padded position
     b * q_max + i; `padded_index[k]` is where flat-batch row `token_rows[k]` goes."""
@@ -55,6 +115,7 @@ class PaddedGroup:
     row_start: torch.Tensor | None = None  # [B] first flat row of each sequence
     q_lens: torch.Tensor | None = None  # [B]
     ctx_lens: torch.Tensor | None = None  # [B] tokens in the cache after this step
+    shared: SharedPrefix | None = None  # cascade attention plan (SDPA path only)
 
 
 @dataclass(slots=True)
@@ -73,7 +134,42 @@ def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.T
     return cache.index_select(0, blocks)
 
 
+def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> torch.Tensor:
+    """The padded group's attention split at its shared prefix; returns [N, Hq, D] for its rows.
+    (The flash kernel maps query heads onto their kv head itself: no repeated K/V.)"""
+    sp = g.shared
+    _, block_size, n_kv, d = k_cache.shape
+    n_heads = q.shape[1]
+    b, width = sp.rest_tables.shape
+    rows = q if g.is_whole_batch else q.index_select(0, g.token_rows)  # [N, Hq, D]
+    # 1) Every query against the shared keys: one copy of them, one call, no mask.
+    kp = _gather(k_cache, sp.blocks, q.dtype).view(1, -1, n_kv, d).transpose(1, 2)  # [1, Hkv, S, D]
+    vp = _gather(v_cache, sp.blocks, q.dtype).view(1, -1, n_kv, d).transpose(1, 2)
+    o1, lse1 = _FLASH_CPU(rows.transpose(0, 1).unsqueeze(0), kp, vp, scale=scale)
+    # 2) Each sequence's queries against its own later keys, padded to [B, Hq, q_max, D] (no
+    # padding when every sequence has q_max queries: the padded layout is then the rows' own).
+    uniform = rows.shape[0] == b * g.q_max
+    qs = rows
+    if not uniform:
+        qs = rows.new_zeros(b * g.q_max, n_heads, d).index_copy_(0, g.padded_index, rows)
+    qs = qs.view(b, g.q_max, n_heads, d).transpose(1, 2)
+    flat = sp.rest_tables.view(-1)
+    ks = _gather(k_cache, flat, q.dtype).view(b, width * block_size, n_kv, d).transpose(1, 2)
+    vs = _gather(v_cache, flat, q.dtype).view(b, width * block_size, n_kv, d).transpose(1, 2)
+    o2, lse2 = _FLASH_CPU(qs, ks, vs, attn_mask=sp.mask, scale=scale)
+    o2 = o2.transpose(1, 2).reshape(b * g.q_max, n_heads, d)
+    lse2 = lse2.transpose(1, 2).reshape(b * g.q_max, n_heads)
+    if not uniform:
+        o2, lse2 = o2.index_select(0, g.padded_index), lse2.index_select(0, g.padded_index)
+    # 3) Exact merge: the softmax over both key sets weighs each part by its share of the mass,
+    # exp(lse1) / (exp(lse1) + exp(lse2)) = sigmoid(lse1 - lse2) for the shared part.
+    o1, lse1 = o1[0].transpose(0, 1), lse1[0].transpose(0, 1)  # [N, Hq, D], [N, Hq]
+    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2).unsqueeze(-1).to(o1.dtype))
+
+
 def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, gqa: bool):
+    if g.shared is not None:
+        return _cascade_attention(q, k_cache, v_cache, g, scale)
     _, block_size, n_kv, d = k_cache.shape
     b, max_blocks = g.block_tables.shape
     flat = g.block_tables.view(-1)
