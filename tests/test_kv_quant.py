@@ -49,10 +49,12 @@ def test_bad_kv_cache_dtype_is_refused() -> None:
 
 
 def _case(
-    name: str | None, seed: int, hq: int, hkv: int, d: int, bs: int, shapes, use_kernel: bool
+    name: str | None, seed: int, hq: int, hkv: int, d: int, bs: int, shapes, use_kernel: bool,
+    shared: int = 0, cascade: bool = False,
 ):
     """One padded group over a cache holding random context; returns ([T, Hq, D] output, the
-    cache). shapes: (q_len, context after the step) per sequence."""
+    cache). shapes: (q_len, context after the step) per sequence; the first `shared` blocks of
+    every table are the same (`cascade`: attend to them through cascade attention)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 48
     fill_k = torch.randn(num_blocks * bs, hkv, d, generator=g) * 3
@@ -69,11 +71,13 @@ def _case(
     else:
         k_cache.write(all_slots, fill_k), v_cache.write(all_slots, fill_v)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    slots, t, sdpa, kern, _ = make_groups(shapes, bs, perm)
+    slots, t, sdpa, kern, casc = make_groups(shapes, bs, perm, shared)
     q = torch.randn(t, hq, d, generator=g)
     k = torch.randn(t, hkv, d, generator=g) * 3
     v = torch.randn(t, hkv, d, generator=g)
-    meta = AttentionMetadata(slots, bs, kern if use_kernel else sdpa, [])
+    if cascade:
+        assert casc is not None
+    meta = AttentionMetadata(slots, bs, casc if cascade else kern if use_kernel else sdpa, [])
     return paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5), cache
 
 
@@ -91,6 +95,15 @@ def test_kernel_matches_sdpa_on_quantized_cache(name, hq, hkv, d, bs, shapes) ->
     want, cache_a = _case(name, 0, hq, hkv, d, bs, shapes, use_kernel=False)
     got, cache_b = _case(name, 0, hq, hkv, d, bs, shapes, use_kernel=True)
     assert torch.equal(cache_a.data, cache_b.data) and torch.equal(cache_a.scales, cache_b.scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_cascade_matches_sdpa_on_quantized_cache(name) -> None:
+    """Cascade attention (shared prefix blocks) reads quantized codes like the other paths."""
+    shapes = [(1, 150), (5, 141), (3, 160)]  # 8 shared blocks of 16: 128 tokens before all queries
+    want, _ = _case(name, 3, 9, 3, 64, 16, shapes, use_kernel=False, shared=8)
+    got, _ = _case(name, 3, 9, 3, 64, 16, shapes, use_kernel=False, shared=8, cascade=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
