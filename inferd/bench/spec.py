@@ -2,11 +2,13 @@
 
 Batch 1 (each prompt alone, greedy): tokens/s, acceptance rate, mean acceptance length and
 speedup over speculation off, per proposer and depth k, on two tasks:
-- input-grounded ("rewrite"): rewrite, proofread or edit a given passage or program — the output
-  copies much of its input, where prompt lookup shines;
+- input-grounded ("rewrite"): rewrite, proofread or edit a given passage or program (code edits:
+  docstrings, a rename, a new method) — the output copies much of its input, where prompt lookup
+  shines;
 - "chat": open questions, where only a model (draft model, learned head) can guess ahead.
 With --batch N, also N chat requests at once (the policy should keep throughput >= 0.95x of
-speculation off). Greedy outputs must be identical to speculation off: the bench checks it.
+speculation off). Every config's engine stays loaded and the configs take turns run by run; a
+speedup is the median of per-run ratios, so a change of the machine's load hits both sides alike. Greedy outputs must be identical to speculation off: the bench checks it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ REWRITE_TASKS = tuple(
     [f"Rewrite the following text, correcting any mistakes and keeping its meaning:\n\n{p}" for p in PASSAGES]
     + [f"Repeat this passage word for word, then give it a title:\n\n{PASSAGES[0]}"]
     + [f"Add a docstring to every function in this Python code and return the whole code:\n\n{c}" for c in CODE]
+    + ["Rename the variable `values` to `numbers` everywhere in this code and return the whole "
+       f"code:\n\n{CODE[0]}",
+       f"Add a method `decrement` to this class and return the whole class:\n\n{CODE[1]}"]
 )  # fmt: skip
 CHAT_TASKS = (
     "What should I pack for a weekend hiking trip?",
@@ -86,6 +91,12 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
     return configs
 
 
+def _speedup(times: list[float], base: list[float]) -> float:
+    """Median over runs of the per-run ratio (each run of a config next to a run of speculation
+    off): a change of the machine's load between configs hits both sides of a ratio alike."""
+    return statistics.median(b / t for b, t in zip(base, times))
+
+
 def run_spec(args: argparse.Namespace) -> dict:
     from inferd import LLM, SamplingParams
     from inferd.loader import load_model
@@ -93,53 +104,65 @@ def run_spec(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, verbose=False, quantization=args.quantization)
     tok = loaded.tokenizer
     tasks = {name: [_chat_ids(tok, t) for t in TASKS[name]] for name in args.tasks}
+    # Every config's engine stays loaded and the configs take turns run by run (one warm-up first).
+    llms = {label: LLM(loaded=loaded, verbose=False, quantization=args.quantization,
+                       speculative_config=spec, kv_cache_memory=args.kv_cache_memory)
+            for label, spec in _configs(args)}  # fmt: skip
+    for llm in llms.values():
+        _run_batch1(llm, [tasks[args.tasks[0]][0]], 8)
     rows: list[dict] = []
-    baseline: dict[str, float] = {}
-    reference: dict[str, list[list[int]]] = {}
-    batch: dict[str, float] = {}
-    for label, spec in _configs(args):
-        llm = LLM(loaded=loaded, verbose=False, quantization=args.quantization, speculative_config=spec)
-        _run_batch1(llm, [tasks[args.tasks[0]][0]], 8)  # warm-up
-        for task, prompts in tasks.items():
-            before = _spec_counts(llm)
-            times, tokens = [], 0
-            for _ in range(args.runs):
-                seconds, outs = _run_batch1(llm, prompts, args.max_tokens)
-                times.append(seconds)
-                tokens = sum(len(o) for o in outs)
-                if spec is None:
-                    reference[task] = outs
-                elif outs != reference[task]:
-                    raise SystemExit(f"{label} on {task}: greedy output differs from speculation off")
-            drafts, proposed, accepted, emitted = (a - b for a, b in zip(_spec_counts(llm), before))
-            tps = tokens / statistics.median(times)
-            if spec is None:
-                baseline[task] = tps
-            rows.append({"task": task, "config": label, "tokens_per_s": round(tps, 1),
-                         "speedup": round(tps / baseline[task], 2),
+    for task, prompts in tasks.items():
+        before = {label: _spec_counts(llm) for label, llm in llms.items()}
+        times: dict[str, list[float]] = {label: [] for label in llms}
+        outputs: list[tuple[str, list[list[int]]]] = []
+        for run in range(args.runs):
+            labels = list(llms)
+            for label in labels[run % len(labels):] + labels[: run % len(labels)]:  # rotate who goes first
+                seconds, outs = _run_batch1(llms[label], prompts, args.max_tokens)
+                times[label].append(seconds)
+                outputs.append((label, outs))
+        reference = next(outs for label, outs in outputs if label == "off")
+        for label, outs in outputs:
+            if outs != reference:
+                raise SystemExit(f"{label} on {task}: greedy output differs from speculation off")
+        tokens = sum(len(o) for o in reference)
+        for label, llm in llms.items():
+            drafts, proposed, accepted, emitted = (a - b for a, b in zip(_spec_counts(llm), before[label]))
+            rows.append({"task": task, "config": label,
+                         "tokens_per_s": round(tokens / statistics.median(times[label]), 1),
+                         "speedup": round(_speedup(times[label], times["off"]), 2),
                          "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
                          "mean_acceptance_length": round(emitted / drafts, 2) if drafts else None})  # fmt: skip
-        if args.batch and (spec is None or spec["method"] != "draft_model" or args.batch_draft):
-            prompts = [tasks.get("chat", next(iter(tasks.values())))[i % 6] for i in range(args.batch)]
-            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-            secs = []
-            for _ in range(args.runs):
-                start = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                secs.append(time.perf_counter() - start)
-            batch[label] = sum(len(o.outputs[0].token_ids) for o in outs) / statistics.median(secs)
-        del llm
+    batch = _run_batch(llms, tasks, args) if args.batch else {}
     _print_table(rows, batch, args)
     report = {"bench": "spec", "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
               "identical_greedy_outputs": True,
-              f"batch{args.batch}_tokens_per_s": {k: round(v, 1) for k, v in batch.items()},
-              f"batch{args.batch}_ratio_vs_off": {k: round(v / batch["off"], 3) for k, v in batch.items()}
-              if batch else {}}  # fmt: skip
+              f"batch{args.batch}_tokens_per_s": {k: round(v[0], 1) for k, v in batch.items()},
+              f"batch{args.batch}_ratio_vs_off": {k: round(v[1], 3) for k, v in batch.items()}}  # fmt: skip
     print(json.dumps(report))
     return report
 
 
-def _print_table(rows: list[dict], batch: dict[str, float], args: argparse.Namespace) -> None:
+def _run_batch(llms: dict, tasks: dict, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """`args.batch` chat requests at once, configs taking turns: {label: (tok/s, ratio vs off)}."""
+    from inferd import SamplingParams
+
+    chosen = {label: llm for label, llm in llms.items() if not label.startswith("draft") or args.batch_draft}
+    pool = tasks.get("chat", next(iter(tasks.values())))
+    prompts = [{"prompt_token_ids": pool[i % len(pool)]} for i in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    secs: dict[str, list[float]] = {label: [] for label in chosen}
+    tokens = args.batch * args.max_tokens
+    for run in range(args.runs):
+        labels = list(chosen)
+        for label in labels[run % len(labels):] + labels[: run % len(labels)]:
+            start = time.perf_counter()
+            chosen[label].generate(prompts, params, use_tqdm=False)
+            secs[label].append(time.perf_counter() - start)
+    return {label: (tokens / statistics.median(s), _speedup(s, secs["off"])) for label, s in secs.items()}
+
+
+def _print_table(rows: list[dict], batch: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
     print(f"\nbatch 1, greedy, {args.max_tokens} tokens max, median of {args.runs} runs "
           "(outputs identical to speculation off)")  # fmt: skip
     print("| task | config | tokens/s | speedup | acceptance rate | mean acceptance length |")
@@ -150,7 +173,7 @@ def _print_table(rows: list[dict], batch: dict[str, float], args: argparse.Names
         print(f"| {r['task']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {rate} | {mal} |")
     if batch:
         print(f"\nbatch {args.batch} (chat, {args.max_tokens} tokens each): "
-              + ", ".join(f"{k}: {v:.1f} tok/s ({v / batch['off']:.2f}×)" for k, v in batch.items()))  # fmt: skip
+              + ", ".join(f"{k}: {tps:.1f} tok/s ({ratio:.2f}×)" for k, (tps, ratio) in batch.items()))  # fmt: skip
 
 
 def add_spec_parser(sub) -> None:
@@ -165,4 +188,6 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")
     p.add_argument("--batch-draft", action="store_true", help="include draft-model configs in the batch run")
+    p.add_argument("--kv-cache-memory", type=int, default=512 << 20,
+                   help="KV cache bytes of each config's engine (all stay loaded)")
     p.set_defaults(func=run_spec)

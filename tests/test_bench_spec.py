@@ -1,0 +1,40 @@
+"""`inferd bench spec` end to end on a tiny model: every config's greedy output equals speculation
+off (the bench checks it), counts and ratios are reported (no timing asserts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from tiny_models import TinySpec, write_gguf
+
+from inferd.cli import main
+
+
+@pytest.fixture(scope="module")
+def long_context_tiny(tmp_path_factory):
+    """The bench's prompts (passages, code) run to ~600 tokens with the tiny byte-level tokenizer."""
+    spec = dataclasses.replace(TinySpec(), max_position=2048)
+    return write_gguf(tmp_path_factory.mktemp("spec-bench") / "tiny.gguf", spec)
+
+
+def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
+    model = str(long_context_tiny.path)
+    argv = ["bench", "spec", "--model", model, "--k", "2", "--max-tokens", "6",
+            "--runs", "2", "--batch", "3", "--draft-model", model, "--batch-draft",
+            "--kv-cache-memory", str(4 << 20)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical_greedy_outputs"]
+    rows = {(r["task"], r["config"]): r for r in report["rows"]}
+    assert set(rows) == {(t, c) for t in ("rewrite", "chat") for c in ("off", "ngram k=2", "draft k=2")}
+    for (task, config), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+        if config == "off":
+            assert r["speedup"] == 1.0 and r["acceptance_rate"] is None
+    # The draft is the target itself: every draft it made is accepted (the policy may judge a
+    # draft as slow as the target not worth running at all).
+    assert rows[("chat", "draft k=2")]["acceptance_rate"] in (None, 1.0)
+    assert set(report["batch3_ratio_vs_off"]) == {"off", "ngram k=2", "draft k=2"}
+    assert report["batch3_ratio_vs_off"]["off"] == 1.0
