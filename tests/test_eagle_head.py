@@ -181,18 +181,66 @@ def test_instruction_splits_are_disjoint() -> None:
         instructions("eval", 10_000)
 
 
+def test_rank_tokens_counts_first_then_ids() -> None:
+    from inferd.spec.draft_vocab import rank_tokens
+
+    streams = [[9, 9, 9, 7, 7, 50], [7, 9, 12, 400]]  # 400: outside a vocabulary of 60
+    assert rank_tokens(streams, 60, 3).tolist() == [7, 9, 50]  # 9 and 7 most often; ties: first seen
+    assert rank_tokens(streams, 60, 6).tolist() == [0, 1, 7, 9, 12, 50]  # filled from id 0
+    assert rank_tokens([], 5, 5).tolist() == [0, 1, 2, 3, 4]
+    for bad in (0, 61):
+        with pytest.raises(ValueError, match="draft vocabulary size"):
+            rank_tokens(streams, 60, bad)
+
+
+@pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
+def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, model) -> None:
+    """Greedy drafting over a reduced vocabulary picks, at every step, the token of the subset the
+    full LM head scores highest (plain and quantized heads); the whole vocabulary as the subset
+    drafts exactly what the full head does."""
+    from inferd import LLM
+    from inferd.spec import draft_vocab
+
+    target = LLM(str(tiny_models[model].path), kv_cache_memory=4 << 20, verbose=False).engine.runner.model
+    torch.manual_seed(0)
+    path = EagleHead.for_target(target).save(tmp_path / "head")
+    v, h = target.config.vocab_size, target.config.hidden_size
+    hidden, tokens = torch.randn(6, h), torch.randint(0, v, (6,))
+    full = EagleHead.load(path, target)
+    assert full.draft_vocab_size is None
+    want, _ = full.draft(hidden, tokens, 4)
+    ids = torch.arange(v)[torch.randperm(v, generator=torch.Generator().manual_seed(1))[:150]].sort().values
+    draft_vocab.save(path, ids)
+    reduced = EagleHead.load(path, target)
+    assert reduced.draft_vocab_size == 150
+    got, _ = reduced.draft(hidden, tokens, 4)
+    f, tok = hidden, tokens
+    for j in range(4):  # by hand: the full logits restricted to the subset
+        f = full(f, tok)
+        tok = ids[target.compute_logits(f)[:, ids].argmax(-1)]
+        assert torch.equal(tok, got[:, j])
+    assert torch.isin(got, ids).all() and not torch.equal(got, want)
+    assert torch.equal(full.set_draft_vocab(torch.arange(v)).draft(hidden, tokens, 4)[0], want)
+    (path / draft_vocab.FILE).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="unreadable draft vocabulary"):
+        EagleHead.load(path, target)
+    draft_vocab.save(path, torch.tensor([3, v]))
+    with pytest.raises(ValueError, match="draft vocabulary ids"):
+        EagleHead.load(path, target)
+
+
 def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     from inferd.spec.train_eagle import EagleRecipe, train_eagle
 
     opts = TrainOptions(epochs=1, batch_size=32, unroll=2, log_every=0)
     recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), num_prompts=6,
                          eval_prompts=3, max_tokens=12, intermediate_size=64,
-                         kv_cache_memory=8 << 20, train=opts)  # fmt: skip
+                         kv_cache_memory=8 << 20, draft_vocab_size=100, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     acc = report["acceptance"]
     for k in (3, 5):
         assert 1.0 <= acc[f"k{k}_acceptance_length"] <= k + 1
     assert report["eval_prompts"] == 3 and report["size_bytes"] > 0
     head = EagleHead.load(tmp_path / "head", _target(tiny_llama_hf.path))
-    assert head.intermediate_size == 64
+    assert head.intermediate_size == 64 and head.draft_vocab_size == 100
     assert json.loads((tmp_path / "head" / "train_report.json").read_text())["out"] == report["out"]

@@ -265,15 +265,21 @@ def test_seeded_sampling_is_the_same_with_speculation_on(tiny_llama_gguf):
     assert run({"method": "ngram"}) == run(None)
 
 
-def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path):
-    """A learned draft head (here untrained: its drafts are mostly wrong) changes no output."""
+@pytest.mark.parametrize("vocab", [None, 120])
+def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path, vocab):
+    """A learned draft head (here untrained: its drafts are mostly wrong) changes no output, with
+    the whole vocabulary or a reduced draft vocabulary."""
+    from inferd.spec import draft_vocab
     from inferd.spec.eagle_head import EagleHead
 
     target = _llm(tiny_llama_gguf.path).engine.runner.model
     torch.manual_seed(0)
     EagleHead.for_target(target).save(tmp_path / "head")
+    if vocab:
+        draft_vocab.save(tmp_path / "head", torch.arange(0, 2 * vocab, 2))
     llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
                                       "num_speculative_tokens": 3})  # fmt: skip
+    assert llm.engine.proposer.head.draft_vocab_size == vocab
     assert _run(llm) == reference()[0]
     assert llm.engine.get_stats().spec_num_drafts > 0
     llm.engine.check_no_leaks()

@@ -15,7 +15,8 @@ engine's side to "call it k times on [B, H] rows".
 
 On disk (`save` / `load`): a directory with `model.safetensors` (the head's weights) and
 `config.json` (sizes, architecture, and the target's identity, so a head is never silently run
-against a model it was not trained for).
+against a model it was not trained for), and optionally `draft_vocab.safetensors`: the frequent
+tokens greedy drafting scores (inferd.spec.draft_vocab).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from inferd.spec import draft_vocab
 
 FORMAT = "inferd-eagle-head"
 ARCHITECTURE = "fc-swiglu-v1"
@@ -126,6 +129,8 @@ class EagleHead(nn.Module):
             nn.init.normal_(b.down.weight, std=0.02 / math.sqrt(2 * max(num_blocks, 1)))
         # The bound target, outside the module tree: never saved, moved or trained with the head.
         self.__dict__["_target"] = None
+        # (token ids [N], LM head over those rows) when drafting over a reduced vocabulary.
+        self.__dict__["_draft_vocab"] = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -158,6 +163,29 @@ class EagleHead(nn.Module):
             check_target(self.target_info, target)
         self.__dict__["_target"] = target
         return self
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> EagleHead:
+        """Draft over these token ids only (inferd.spec.draft_vocab; None: the whole vocabulary):
+        greedy drafting scores just their rows of the target's LM head. The rows are copied once
+        (quantized heads stay quantized); training and `return_logits` still see every token."""
+        if ids is None:
+            self.__dict__["_draft_vocab"] = None
+            return self
+        from inferd.layers.quantized_linear import QuantizedLinear
+
+        lm_head = self.target.lm_head
+        if isinstance(lm_head, QuantizedLinear):
+            rows: nn.Module = QuantizedLinear(lm_head.qweight.rows(ids.cpu()).to(ids.device))
+        else:
+            rows = nn.Linear(lm_head.weight.shape[1], len(ids), bias=False, device=lm_head.weight.device,
+                             dtype=lm_head.weight.dtype).requires_grad_(False)  # fmt: skip
+            rows.weight.copy_(lm_head.weight.detach()[ids.to(lm_head.weight.device)])
+        self.__dict__["_draft_vocab"] = (ids.to(self.target.norm.weight.device), rows)
+        return self
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return None if self._draft_vocab is None else len(self._draft_vocab[0])
 
     @property
     def target(self) -> nn.Module:
@@ -206,8 +234,14 @@ class EagleHead(nn.Module):
         sample from the processed distribution); default greedy (argmax)."""
         tokens, logits = [], []
         feature, tok = hidden, token_ids
+        reduced = self._draft_vocab if not (return_logits or choose) else None
         for step in range(k):
             feature = self(feature, tok)
+            if reduced is not None:  # greedy over the frequent tokens only
+                ids, rows = reduced
+                tok = ids[rows(feature.to(self.target.norm.weight.dtype)).argmax(dim=-1)]
+                tokens.append(tok)
+                continue
             step_logits = self.compute_logits(feature)
             tok = choose(step_logits, step) if choose else step_logits.argmax(dim=-1)
             tokens.append(tok)
@@ -271,4 +305,5 @@ class EagleHead(nn.Module):
             .eval()
             .requires_grad_(False)
         )
-        return head.bind(target_model)
+        head.bind(target_model)
+        return head.set_draft_vocab(draft_vocab.load(root, head.vocab_size))

@@ -10,7 +10,8 @@ acceptance length on held-out chat prompts.
 2. the target, dequantized to fp32, is run over every prompt + response: its hidden state at each
    position (the same values its quantized form computes, up to rounding);
 3. the head trains on those (eagle_train_core), is saved to DIR (default
-   $INFERD_CACHE_DIR/eagle/<model name>), and its acceptance length at k = 3 and 5 is printed.
+   $INFERD_CACHE_DIR/eagle/<model name>) with the draft vocabulary ranked from the responses
+   (inferd.spec.draft_vocab), and its acceptance length at k = 3 and 5 is printed.
 The last line printed is one JSON document.
 """
 
@@ -29,6 +30,7 @@ import torch
 from inferd.loader import load_model
 from inferd.loader.default_model import cache_dir
 from inferd.models import build_model
+from inferd.spec import draft_vocab
 from inferd.spec.eagle_data import generate_sequences, instructions, target_hidden_states
 from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
 from inferd.spec.eagle_train_core import TrainOptions, flatten, measure_acceptance, train_head
@@ -47,6 +49,7 @@ class EagleRecipe:
     num_blocks: int = 1
     intermediate_size: int | None = 768
     kv_cache_memory: int = 2 << 30  # touched only as used
+    draft_vocab_size: int = draft_vocab.DEFAULT_SIZE  # tokens greedy drafting scores; 0: all
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -115,6 +118,9 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     acceptance = measure_acceptance(head, eval_states, eval_starts)
     times["eval_s"] = time.perf_counter() - t0
     head.save(out)
+    if 0 < recipe.draft_vocab_size < head.vocab_size:  # else: the whole vocabulary
+        responses = [s[n:] for s, n in zip(train_seqs, train_lens)]
+        draft_vocab.save(out, draft_vocab.rank_tokens(responses, head.vocab_size, recipe.draft_vocab_size))
     size = sum((out / f).stat().st_size for f in (WEIGHTS_FILE, CONFIG_FILE))
     times["total_s"] = time.perf_counter() - t_all
     # CPU seconds of this process (all threads): on a shared machine, wall time mostly measures
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-temperature", type=float, default=r.sample_temperature)
     p.add_argument("--num-blocks", type=int, default=r.num_blocks)
     p.add_argument("--intermediate-size", type=int, default=r.intermediate_size)
+    p.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
+                   help="frequent tokens greedy drafting scores (FR-Spec); 0: the whole vocabulary")
     p.add_argument("--epochs", type=float, default=t.epochs)
     p.add_argument("--batch-size", type=int, default=t.batch_size)
     p.add_argument("--unroll", type=int, default=t.unroll)
@@ -173,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_tokens=a.max_tokens, sample_fraction=a.sample_fraction,
                          sample_temperature=a.sample_temperature,
                          num_blocks=a.num_blocks, intermediate_size=a.intermediate_size,
+                         draft_vocab_size=a.draft_vocab_size,
                          progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     acc = report["acceptance"]
