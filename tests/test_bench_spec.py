@@ -22,13 +22,13 @@ def long_context_tiny(tmp_path_factory):
 def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
     model = str(long_context_tiny.path)
     argv = ["bench", "spec", "--model", model, "--k", "2", "--max-tokens", "6",
-            "--runs", "2", "--batch", "3", "--draft-model", model, "--batch-draft",
+            "--runs", "2", "--batch", "3", "--tasks", "code", "chat", "--draft-model", model, "--batch-draft",
             "--kv-cache-memory", str(4 << 20)]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical_greedy_outputs"]
     rows = {(r["task"], r["config"]): r for r in report["rows"]}
-    assert set(rows) == {(t, c) for t in ("rewrite", "chat") for c in ("off", "ngram k=2", "draft k=2")}
+    assert set(rows) == {(t, c) for t in ("code", "chat") for c in ("off", "ngram k=2", "draft k=2")}
     for (task, config), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         if config == "off":

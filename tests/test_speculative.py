@@ -230,10 +230,18 @@ def test_policy_depth_follows_acceptance_and_cost():
     ('{"method": "draft_model"}', "needs \"model\""),
     ('{"method": "ngram", "k": 3}', "unknown keys"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "prompt_lookup_max": 0}', "prompt_lookup_min"),
+    ('{"method": "ngram", "prompt_lookup_min": "2"}', "prompt_lookup_min"),
 ])  # fmt: skip
 def test_bad_speculative_config(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(value)
+
+
+def test_prompt_lookup_min_defaults_to_two():
+    assert SpeculativeConfig.parse('{"method": "ngram"}').prompt_lookup_min == 2
+    assert SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_max": 1}').prompt_lookup_min == 1
+    assert SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_min": 1}').prompt_lookup_min == 1
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_gguf, tiny_models):

@@ -1,14 +1,16 @@
 """`inferd bench spec`: speculative decoding against plain decoding, in one run, like the seeds' table.
 
 Batch 1 (each prompt alone, greedy): tokens/s, acceptance rate, mean acceptance length and
-speedup over speculation off, per proposer and depth k, on two tasks:
-- input-grounded ("rewrite"): rewrite, proofread or edit a given passage or program (code edits:
-  docstrings, a rename, a new method) — the output copies much of its input, where prompt lookup
-  shines;
+speedup over speculation off, per proposer and depth k, on three tasks:
+- input-grounded: "rewrite" (rewrite, proofread or repeat a given passage) and "code" (edit a
+  given program: docstrings, a rename, a new method) — the output copies much of its input, where
+  prompt lookup shines (as far as the target actually copies: a small model often rewrites code
+  from scratch);
 - "chat": open questions, where only a model (draft model, learned head) can guess ahead.
 With --batch N, also N chat requests at once (the policy should keep throughput >= 0.95x of
 speculation off). Every config's engine stays loaded and the configs take turns run by run; a
-speedup is the median of per-run ratios, so a change of the machine's load hits both sides alike. Greedy outputs must be identical to speculation off: the bench checks it.
+speedup is the median of per-run ratios, so a change of the machine's load hits both sides alike.
+Greedy outputs must be identical to speculation off: the bench checks it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ CODE = (
 REWRITE_TASKS = tuple(
     [f"Rewrite the following text, correcting any mistakes and keeping its meaning:\n\n{p}" for p in PASSAGES]
     + [f"Repeat this passage word for word, then give it a title:\n\n{PASSAGES[0]}"]
-    + [f"Add a docstring to every function in this Python code and return the whole code:\n\n{c}" for c in CODE]
+)  # fmt: skip
+CODE_TASKS = tuple(
+    [f"Add a docstring to every function in this Python code and return the whole code:\n\n{c}" for c in CODE]
     + ["Rename the variable `values` to `numbers` everywhere in this code and return the whole "
        f"code:\n\n{CODE[0]}",
        f"Add a method `decrement` to this class and return the whole class:\n\n{CODE[1]}"]
@@ -53,7 +57,7 @@ CHAT_TASKS = (
     "What is the difference between a virus and a bacterium?",
     "How can I get better at remembering names?",
 )
-TASKS = {"rewrite": REWRITE_TASKS, "chat": CHAT_TASKS}
+TASKS = {"rewrite": REWRITE_TASKS, "code": CODE_TASKS, "chat": CHAT_TASKS}
 
 
 def _chat_ids(tok, text: str) -> list[int]:
