@@ -89,6 +89,11 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # Largest prefill chunk one sequence may take in a step; None = the whole token budget.
     long_prefill_token_threshold: int | None = None
+    # While decodes run, the prefill tokens a step adds are capped at max(this, number of decodes).
+    # On a CPU a step costs about its token count, so a 512-token prompt arriving in one chunk
+    # stalls every running stream for ~10 decode steps; in chunks this size the decodes' inter-token
+    # latency stays within ~2x while prompts stream in. 0: no cap (only max_num_batched_tokens).
+    prefill_chunk_with_decodes: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -101,6 +106,8 @@ class SchedulerConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1")
+        if self.prefill_chunk_with_decodes < 0:
+            raise ValueError(f"--prefill-chunk-with-decodes must be >= 0, got {self.prefill_chunk_with_decodes}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="largest prefill chunk of one sequence per step")  # fmt: skip
+    g.add_argument("--prefill-chunk-with-decodes", type=int, default=16,
+                   help="while decodes run, a step adds at most max(N, number of decodes) prefill "
+                        "tokens, so streams keep flowing while prompts arrive; 0: no cap")  # fmt: skip
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     g.add_argument("--structured-output-timeout", type=float, default=30.0,
@@ -81,6 +84,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            prefill_chunk_with_decodes=args.prefill_chunk_with_decodes,
         ),
         log_stats_interval=args.log_stats_interval,
         structured_output_timeout=args.structured_output_timeout,

@@ -91,6 +91,54 @@ def test_scheduler_budget_chunks_and_decodes_first():
     assert [(s, n) for s, n in out.scheduled] == [(a, 1), (c, 9)]
 
 
+def test_prefill_chunks_next_to_decodes_are_capped():
+    """While decodes run, prefill tokens per step are capped at max(N, decodes): running streams keep
+    their pace while a long prompt streams in; with no decodes the whole budget goes to prefill."""
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, prefill_chunk_with_decodes=8), kv)
+    decodes = [_seq(3, arrival=i) for i in range(5)]
+    for s in decodes:
+        sched.add(s)
+    assert sum(n for _, n in sched.schedule().scheduled) == 15  # no decodes yet: no cap
+    for s in decodes:
+        s.num_computed_tokens = 3
+        s.token_ids.append(7)
+    long_a, long_b = _seq(100, arrival=10), _seq(100, arrival=11)
+    sched.add(long_a)
+    sched.add(long_b)
+    out = sched.schedule()  # 5 decodes; the prefills share max(8, 5) = 8 tokens
+    assert [(s in decodes, n) for s, n in out.scheduled] == [(True, 1)] * 5 + [(False, 8)]
+    long_a.num_computed_tokens += 8
+    for s in decodes:
+        s.num_computed_tokens += 1
+        s.token_ids.append(7)
+    more = [_seq(2, arrival=20 + i) for i in range(10)]
+    for s in more:
+        sched.add(s)
+    for s in more:  # 15 decodes now
+        s.num_computed_tokens = 2
+        s.token_ids.append(7)
+        sched.waiting.remove(s)
+        s.status = SequenceStatus.RUNNING
+        sched.running.append(s)
+        kv.allocate_slots(s.seq_id, 0, 3)
+    out = sched.schedule()  # the cap grows with the decodes: max(8, 15) = 15 prefill tokens
+    assert sum(n for s, n in out.scheduled if s in (long_a, long_b)) == 15
+    assert [n for s, n in out.scheduled if s in (long_a, long_b)] == [15]  # long_a first
+    # 0 switches the cap off: the budget alone limits prefill.
+    kv2 = KVCacheManager(num_blocks=256, block_size=4)
+    off = Scheduler(SchedulerConfig(max_num_batched_tokens=512, prefill_chunk_with_decodes=0), kv2)
+    d, p = _seq(3, arrival=0), _seq(100, arrival=1)
+    off.add(d)
+    off.schedule()
+    d.num_computed_tokens = 3
+    d.token_ids.append(7)
+    off.add(p)
+    assert [n for _, n in off.schedule().scheduled] == [1, 100]
+    with pytest.raises(ValueError, match="prefill-chunk-with-decodes"):
+        SchedulerConfig(prefill_chunk_with_decodes=-1)
+
+
 def test_scheduler_preempts_lowest_priority_and_requeues():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), kv)

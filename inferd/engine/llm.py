@@ -62,6 +62,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         long_prefill_token_threshold: int | None = None,
+        prefill_chunk_with_decodes: int = 16,
         chat_template: str | None = None,
         log_stats_interval: float = 0.0,
         structured_output_timeout: float = 30.0,
@@ -83,7 +84,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),  # fmt: skip
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      prefill_chunk_with_decodes=prefill_chunk_with_decodes),  # fmt: skip
             log_stats_interval=log_stats_interval,
             structured_output_timeout=structured_output_timeout,
             speculative=SpeculativeConfig.parse(speculative_config),

@@ -74,6 +74,13 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
+    def _prefill_room(self, num_decodes: int) -> int:
+        """Prefill tokens this step may still add next to `num_decodes` scheduled decodes."""
+        cap = self.config.prefill_chunk_with_decodes
+        if num_decodes == 0 or cap == 0:
+            return self.config.max_num_batched_tokens
+        return max(cap, num_decodes)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
@@ -89,14 +96,20 @@ class Scheduler:
         # Decodes before partial prefills; within each, priority then arrival.
         order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key))
         scheduled_ids: set[int] = set()
+        num_decodes = 0
+        prefill_room: int | None = None  # fixed once the decodes are placed
         for seq in order:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget)
+            is_prefill = seq.num_uncomputed > 1 and not seq.spec_token_ids
+            if is_prefill and prefill_room is None:
+                prefill_room = self._prefill_room(num_decodes)
+            room = min(budget, prefill_room) if is_prefill else budget
+            n = self._chunk(seq, room) if room > 0 else 0
             if n == 0:
-                continue  # nothing new to compute (its next token is not sampled yet)
+                continue  # nothing new to compute (its next token is not sampled yet), or no room
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
                 victim = self._pick_victim(seq, scheduled_ids)
                 self._preempt(victim)
@@ -107,12 +120,18 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
+                if is_prefill:
+                    prefill_room -= n
+                else:
+                    num_decodes += 1
+        if prefill_room is None:
+            prefill_room = self._prefill_room(num_decodes)
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is full).
         deferred: list[Sequence] = []
         while (
             len(self.waiting) > len(deferred)
-            and budget > 0
+            and min(budget, prefill_room) > 0
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -123,7 +142,7 @@ class Scheduler:
             # Reuse the longest cached prefix: only the rest is computed.
             cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids)
             seq.num_computed_tokens = cached
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, min(budget, prefill_room))
             if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
                 self.kv.free(seq.seq_id)  # give the cached prefix back; retry in a later step
                 seq.num_computed_tokens = 0
@@ -137,6 +156,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+            prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
