@@ -15,6 +15,7 @@ from tiny_models import TinySpec, build_tokenizer, make_state_dict, write_hf_dir
 
 from inferd import LLM, SamplingParams
 from inferd.loader import ModelLoadError, load_model
+from inferd.quantization import formats
 from inferd.quantization.formats import QuantizedWeight, dequantize
 
 SPEC = TinySpec()
@@ -130,7 +131,11 @@ def test_act_order_gptq_loads_dequantized(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("method,group", [("awq", 32), ("gptq", 64)])
-def test_generation_matches_the_dequantized_weights(tmp_path, method, group) -> None:
+def test_generation_matches_the_dequantized_weights(tmp_path, method, group, monkeypatch) -> None:
+    # fp32 activations: the int4 weights themselves must compute what their dequantized copies
+    # do. (With the default int8 activations this random model's near-flat logits leave the
+    # dense greedy path within a few tokens (awq-32: at token 7 of 16); tests/test_quantization.py bounds their logits.)
+    monkeypatch.setattr(formats, "INT8_ACTIVATIONS", False)
     ref = write_checkpoint(tmp_path / "q", method, group)
     write_hf_dir(tmp_path / "ref", SPEC, state_dict=ref)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -47,3 +47,16 @@ def test_quantized_kv_perplexity_within_bounds(setup, kv_cache_dtype: str) -> No
     model = build_for_mode(loaded, "none", max_positions=WINDOW + 1)
     ppl = perplexity(model, ids, WINDOW, kv_cache_dtype)
     assert abs(ppl / base - 1) <= KV_BOUNDS[kv_cache_dtype], (kv_cache_dtype, ppl, base)
+
+
+@pytest.mark.parametrize("mode", ["auto", "int4"])
+def test_int8_activations_perplexity_within_bounds(setup, mode: str) -> None:
+    """Decode's numerics (x rounded to int8 per 32-block, as llama.cpp) on every row of the windows:
+    within 1% of fp32 (measured on 2,048 tokens: auto +0.30%, int4 +0.48% over fp32 activations)."""
+    from inferd.quantization import formats
+
+    loaded, ids, base = setup
+    model = build_for_mode(loaded, mode, max_positions=WINDOW + 1)
+    with formats.int8_activations_for_all_rows():
+        ppl = perplexity(model, ids, WINDOW)
+    assert abs(ppl / base - 1) <= 0.01, (mode, ppl, base)

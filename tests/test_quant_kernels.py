@@ -82,7 +82,7 @@ def test_quantized_matmul_dispatch_keeps_batch_dims(ext) -> None:
     for shape in [(96,), (5, 96), (2, 40, 96)]:  # 40 rows: the dequantise-once + sgemm path
         x = torch.randn(*shape)
         want = F.linear(x, dequantize_rows(qw))
-        got = quantized_matmul(x, qw)
+        got = quantized_matmul(x, qw, int8_activations=False)  # int8 ones: the tests below
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(quantized_matmul(x, qw, use_kernels=False), want)
 
@@ -114,3 +114,86 @@ def test_quantizers_error_is_bounded(fmt: str, bound: float) -> None:
     back = dequantize_rows(quantize(w, fmt))
     rel = ((back - w).norm() / w.norm()).item()
     assert rel < bound, rel
+
+
+# ---- int8 activations (the decode path, as llama.cpp) --------------------------------------------
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def int_ext(request):
+    """The build this CPU runs (AVX512-VNNI `vpdpbusd` where present) and the AVX2-only build
+    (`vpmaddubsw` + `vpmaddwd`, what CPUs without VNNI run): both integer paths are tested here."""
+    from inferd.kernels.quant_gemm import extension_avx2
+
+    e = extension() if request.param == "native" else extension_avx2()
+    if e is None:
+        pytest.skip("quantized CPU kernels unavailable here (no compiler or no AVX2)")
+    return e
+
+
+def _int_weights():
+    for w in _weights():
+        k = w.shape[1]
+        yield quantize(w, "int8")  # per-channel fp32 scales (group = K)
+        yield quantize_int8_blocks(w)  # Q8_0: fp16 scale per block
+        for group in (32, 64, 128):
+            if k % group == 0:
+                yield quantize(w, "int4", group)
+
+
+def _int_call(ext, x, qw):
+    if qw.format == "int8":
+        return ext.q8_linear(x, qw.data, qw.scales, qw.group, True)
+    return ext.q4_linear(x, qw.data, qw.scales, qw.mins, qw.group, True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+def test_int8_activation_kernels_match_their_reference(int_ext, m: int) -> None:
+    from inferd.quantization.formats import int8_activation_matmul_reference, quantize_activations
+
+    g = torch.Generator().manual_seed(100 + m)
+    for qw in _int_weights():
+        k = qw.shape[1]
+        x = torch.randn(m, k, generator=g)
+        x[0, 1] = 9.0  # an outlier coarsens its block's int8 grid
+        if m > 1 or k > 32:  # (not the whole x: the relative error needs a nonzero output)
+            x[-1, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+        got = _int_call(int_ext, x, qw)
+        # The same x rounding as the kernels, so only fp32 summation order differs.
+        want = int8_activation_matmul_reference(x, qw)
+        ref_w = dequantize_rows(qw)
+        mag = (x.abs() @ ref_w.abs().T).max().item()
+        assert (got - want).abs().max().item() <= 2e-6 * mag + 1e-6, (qw.source, qw.shape, m)
+        # Against fp32 activations: rounding moves each x by at most half its block's step d, so
+        # |error| <= Σ_blocks d/2 · Σ_block |w| elementwise (plus fp32 summation), and on these
+        # random inputs it stays within 2% of the output's norm (0.5-1.5% measured).
+        _, d, _ = quantize_activations(x)
+        bound = 0.5 * d @ ref_w.abs().reshape(qw.shape[0], -1, 32).sum(dim=2).T
+        exact = F.linear(x, ref_w)
+        assert ((got - exact).abs() <= bound + 2e-6 * mag + 1e-6).all(), (qw.source, qw.shape, m)
+        rel = ((got - exact).norm() / exact.norm()).item()
+        assert rel < 0.02, (qw.source, qw.shape, m, rel)
+
+
+def test_quantized_matmul_int8_activations_dispatch(ext) -> None:
+    from inferd.quantization.formats import (
+        INT8_ACTIVATION_MAX_ROWS,
+        int8_activation_matmul_reference,
+        quantized_matmul,
+    )
+
+    qw = quantize(torch.randn(37, 96), "int4", 32)
+    small = torch.randn(2, 3, 96)  # 6 rows: int8 activations
+    want = int8_activation_matmul_reference(small.reshape(-1, 96), qw).reshape(2, 3, 37)
+    torch.testing.assert_close(quantized_matmul(small, qw, int8_activations=True), want,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    # Opted out, the same rows meet fp32 activations.
+    exact = F.linear(small, dequantize_rows(qw))
+    torch.testing.assert_close(quantized_matmul(small, qw, int8_activations=False), exact,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    # Above INT8_ACTIVATION_MAX_ROWS rows (prefill chunks) activations stay fp32 either way.
+    big = torch.randn(INT8_ACTIVATION_MAX_ROWS + 1, 96)
+    torch.testing.assert_close(quantized_matmul(big, qw, int8_activations=True),
+                               F.linear(big, dequantize_rows(qw)), rtol=1e-4, atol=1e-4)  # fmt: skip
+    # fp8 weights have no integer path: fp32 activations at any row count.
+    f8 = quantize_fp8(torch.randn(37, 96))
+    torch.testing.assert_close(quantized_matmul(small, f8, int8_activations=True),
+                               F.linear(small, dequantize_rows(f8)), rtol=1e-4, atol=1e-4)  # fmt: skip

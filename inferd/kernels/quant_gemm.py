@@ -16,3 +16,15 @@ from inferd.kernels.build import load_extension
 def extension() -> ModuleType | None:
     """The compiled kernels, or None (with one line on stderr saying why) when unavailable."""
     return load_extension("quant_gemm", "quant_gemm.cpp", "the quantized CPU kernels")
+
+
+@functools.cache
+def extension_avx2() -> ModuleType | None:
+    """The same kernels built without AVX-512 (the AVX2 `maddubs` integer path): what a CPU
+    without AVX512-VNNI runs; the tests check it here too."""
+    return load_extension(
+        "quant_gemm_avx2",
+        "quant_gemm.cpp",
+        "the AVX2-only quantized CPU kernels",
+        ("-mno-avx512f",),
+    )

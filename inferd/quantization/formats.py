@@ -18,6 +18,8 @@ every tensor alike):
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,6 +214,57 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     return QuantizedWeight("int4", q, d, (d.float() * -8.0).half(), (n, k), 32, source)
 
 
+# ---- int8 activations (the decode kernels' numerics) -----------------------------------------
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 → (q [M, K / 32, 32] int8 as float, d [M, K / 32], d · Σ q [M, K / 32]):
+    per 32-block x ≈ d · q with d = max|x| / 127, rounded half to even — bit for bit what the
+    kernels compute (int8_dot.h), so the reference below differs from them only in summation order.
+    The block sums are of the rounded x, for int4's min term (int8_dot.h says why)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(dim=2) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(2))
+    return q, d, d * q.sum(dim=2)
+
+
+def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] · w^T as the int8-activation kernels compute it, in fp64: Σ_b s·d_b·(qw·q)_b,
+    plus min · d · Σ q for int4. The kernels' own tests compare against this."""
+    if w.format not in ("int8", "int4"):
+        raise ValueError(f"int8 activations serve int8 and int4 weights, not {w.format!r}")
+    q, d, sums = (t.double() for t in quantize_activations(x))
+    n, k = w.shape
+    qw = (unpack_int4(w.data) if w.format == "int4" else w.data).double().reshape(n, k // 32, 32)
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:  # [N, K / group] → [N, K / 32]
+        return v.double().repeat_interleave(w.group // 32, dim=1)
+
+    dots = torch.einsum("mbk,nbk->mnb", q, qw)  # [M, N, K/32] integer block dots
+    y = (dots * d.unsqueeze(1) * per_block(w.scales).unsqueeze(0)).sum(dim=2)
+    if w.format == "int4":
+        y = y + sums @ per_block(w.mins).T
+    return y.float()
+
+
+# Decode runs int8 and int4 weights against int8-quantized activations (as llama.cpp does), up to
+# this many rows per call; INFERD_INT8_ACTIVATIONS=0 keeps every call on fp32 activations.
+INT8_ACTIVATIONS = os.environ.get("INFERD_INT8_ACTIVATIONS", "1") != "0"
+INT8_ACTIVATION_MAX_ROWS = 16  # measured: 1.1-1.4x the fp32-activation kernels at 16 rows
+
+
+@contextlib.contextmanager
+def int8_activations_for_all_rows():
+    """Within: every int8/int4 matmul takes int8 activations, prefill-sized ones too — to measure
+    their perplexity on long windows (`perplexity --modes auto-a8`); decode sees the same numerics."""
+    global INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS
+    saved = INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS
+    INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS = True, 1 << 62, 1 << 62
+    try:
+        yield
+    finally:
+        INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS = saved
+
+
 # ---- matmul ------------------------------------------------------------------------------------
 def _kernels():
     from inferd.kernels.quant_gemm import extension
@@ -219,9 +272,12 @@ def _kernels():
     return extension()
 
 
-def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True) -> torch.Tensor:
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True,
+                     int8_activations: bool | None = None) -> torch.Tensor:
     """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernel for fp32 CPU input, else
-    (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch."""
+    (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch. With
+    `int8_activations` (None: INT8_ACTIVATIONS), int8/int4 weights at <= INT8_ACTIVATION_MAX_ROWS
+    rows take the integer-dot kernels (x rounded to int8 per 32-block; fp32 accumulation)."""
     if use_kernels and x.device.type == "cpu" and x.dtype == torch.float32:
         ext = _kernels()
         if ext is not None:
@@ -229,7 +285,10 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
             if x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
                 # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
                 return F.linear(x, _kernel_call(ext, x2[:0], w))
-            y = _kernel_call(ext, x2.contiguous(), w)
+            if int8_activations is None:
+                int8_activations = INT8_ACTIVATIONS
+            int8_x = int8_activations and x2.shape[0] <= INT8_ACTIVATION_MAX_ROWS
+            y = _kernel_call(ext, x2.contiguous(), w, int8_x)
             return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, dequantize_rows(w).to(x.dtype))
 
@@ -238,10 +297,10 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
 DEQUANT_GEMM_MIN_ROWS = 32
 
 
-def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
     """The fused kernel on x2 [M, K]; with M == 0 it returns the dequantised weight [N, K]."""
     if w.format == "int8":
-        return ext.q8_linear(x2, w.data, w.scales, w.group)
+        return ext.q8_linear(x2, w.data, w.scales, w.group, int8_x)
     if w.format == "int4":
-        return ext.q4_linear(x2, w.data, w.scales, w.mins, w.group)
+        return ext.q4_linear(x2, w.data, w.scales, w.mins, w.group, int8_x)
     return ext.fp8_linear(x2, w.data, w.scales, w.group)

@@ -7,12 +7,15 @@ The text is cut into non-overlapping windows; each window is one prefill through
 scores its next-token predictions. Modes int8/int4/fp8 quantize the fp32 weights (so "int4" tests
 inferd's quantizer); "auto" keeps a GGUF's blocks as shipped; "kv-int8", "kv-fp8", "kv-fp8_e5m2"
 keep fp32 weights and store K/V as `--kv-cache-dtype` would (attention reads every key and value
-back quantized, the window's own included). The last line is one JSON document.
+back quantized, the window's own included). A "-a8" suffix ("auto-a8", "int4-a8") runs every
+int8/int4 matmul on int8 activations, the numerics decode uses (windows alone would take the
+fp32-activation prefill path). The last line is one JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -26,6 +29,7 @@ from inferd.kv.kv_cache import KVCache, kv_bytes_per_token
 from inferd.layers.attention import AttentionMetadata, PrefillSlice
 from inferd.loader import LoadedModel, load_model
 from inferd.models import build_model
+from inferd.quantization import formats
 from inferd.quantization.formats import QuantizedWeight, dequantize
 from inferd.quantization.policy import resident_weight_bytes
 
@@ -107,10 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     base = None
     for spec in args.modes.split(","):
         kv_dtype = spec.removeprefix("kv-") if spec.startswith("kv-") else "auto"
-        mode, _, g = ("none" if spec.startswith("kv-") else spec).partition("-g")
+        # "-a8": int8 activations in every matmul, as decode runs them (prefill keeps fp32 ones).
+        a8 = spec.endswith("-a8")
+        weights = "none" if spec.startswith("kv-") else spec.removesuffix("-a8")
+        mode, _, g = weights.partition("-g")
         t0 = time.perf_counter()
         model = build_for_mode(loaded, mode, int(g or 32), args.window + 1)
-        ppl = perplexity(model, ids, args.window, kv_dtype)
+        with formats.int8_activations_for_all_rows() if a8 else contextlib.nullcontext():
+            ppl = perplexity(model, ids, args.window, kv_dtype)
         base = ppl if spec == "none" else base
         row = {"mode": spec, "ppl": round(ppl, 4),
                "vs_fp32": round(ppl / base - 1, 5) if base else None,

@@ -8,7 +8,9 @@
 // A group (one scale/min) spans `group` weights, a multiple of 32; group == K is per-channel.
 // Scales and mins are fp32 or fp16 (GGUF keeps fp16 ones; we keep them as shipped).
 //
-// Two paths, both threaded over output rows with at::parallel_for:
+// Three paths, all threaded over output rows with at::parallel_for:
+// - int8 activations (q8 and q4, small M, the default for decode; int8_dot.h): x quantized to int8
+//   per 32-block once per call, integer dot products per block, as llama.cpp does.
 // - M <= 4 (decode): each 32-weight block is dequantised into 4 registers once and used for all
 //   M input rows: the weight bytes are read once per call, which is what decode is bound by.
 // - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
@@ -21,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "int8_dot.h"
 
 namespace {
 
@@ -240,6 +244,17 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
+// x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt.
+template <typename Fmt>
+torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const int8dot::QuantizedRows qx = int8dot::quantize_rows(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8dot::gemv(f, qx, yp, N, n0, n1); });
+  return y;
+}
+
 void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                   x.device().is_cpu(),
@@ -256,12 +271,20 @@ void check_groups(const torch::Tensor& scale, int64_t N, int64_t K, int64_t grou
               "scales must be fp32 or fp16");
 }
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group,
+                        bool int8_x) {
   check_x(x);
   const int64_t N = q.size(0), K = x.size(1);
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == K,
               "q8 weight must be contiguous int8 [N, K]");
   check_groups(scale, N, K, group);
+  if (int8_x && x.size(0) > 0) {
+    if (scale.scalar_type() == torch::kFloat16)
+      return run_int8(int8dot::Q8Fmt<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(),
+                                                nullptr, K, K / group, group / 32}, x, N);
+    return run_int8(int8dot::Q8Fmt<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr,
+                                           K, K / group, group / 32}, x, N);
+  }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q8<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, K / group,
                             group / 32}, x, N);
@@ -270,7 +293,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, i
 }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor mins,
-                        int64_t group) {
+                        int64_t group, bool int8_x) {
   check_x(x);
   const int64_t N = q.size(0), K = x.size(1);
   TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous() && q.size(1) * 2 == K,
@@ -279,6 +302,14 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
   TORCH_CHECK(mins.sizes() == scale.sizes() && mins.scalar_type() == scale.scalar_type() &&
                   mins.is_contiguous(),
               "mins must match scales");
+  if (int8_x && x.size(0) > 0) {
+    if (scale.scalar_type() == torch::kFloat16)
+      return run_int8(int8dot::Q4Fmt<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                                                mins.data_ptr<at::Half>(), K, K / group, group / 32},
+                      x, N);
+    return run_int8(int8dot::Q4Fmt<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                           mins.data_ptr<float>(), K, K / group, group / 32}, x, N);
+  }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q4<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
                             mins.data_ptr<at::Half>(), K, K / group, group / 32}, x, N);
@@ -300,8 +331,11 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &q8_linear, "x[M,K] · dequant(int8 blocks)^T");
-  m.def("q4_linear", &q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T");
+  // int8_x: quantize x to int8 per 32-block and use integer dot products (int8_dot.h).
+  m.def("q8_linear", &q8_linear, "x[M,K] · dequant(int8 blocks)^T", py::arg("x"), py::arg("q"),
+        py::arg("scale"), py::arg("group"), py::arg("int8_x") = false);
+  m.def("q4_linear", &q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T", py::arg("x"),
+        py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("int8_x") = false);
   // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
   m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
 }
