@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from inferd.config import SchedulerConfig
@@ -181,3 +183,87 @@ def test_cache_aware_admission_prefers_cached_prefix_with_bounded_wait():
     assert admitted == [hot[0], hot[1], cold, hot[2]]
     assert hot[0].num_computed_tokens == 12  # served from the cache
     kv.check_integrity()
+
+
+def test_cache_aware_admission_sees_tree_changes_between_steps():
+    # Cached-prefix lengths of waiting requests are looked up once per change of the tree: a
+    # prefix cached, or flushed, after a request was first looked at must change the choice.
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1), kv)
+    warm = list(range(100, 112))
+
+    def admit() -> Sequence:
+        ((seq, _),) = sched.schedule().scheduled
+        sched.finish(seq)
+        return seq
+
+    hot = [Sequence("h", 0, warm + [i], 13, SamplingParams(), 0, 1.0 + i) for i in range(2)]
+    cold = [_seq(12, arrival=a) for a in (0.5, 0.7)]
+    for s in (cold[0], *hot):
+        sched.add(s)
+    assert admit() is cold[0]  # nothing cached: first come, first served
+    # Another request computes `warm`: its 3 blocks stay in the cache.
+    kv.attach_cached_prefix(999, warm)
+    kv.allocate_slots(999, 0, 12)
+    kv.cache_computed_blocks(999, warm, 12)
+    kv.free(999)
+    sched.add(cold[1])
+    assert admit() is hot[0] and hot[0].num_computed_tokens == 12  # the new cache hit jumps the queue
+    assert kv.reset_prefix_cache()
+    assert admit() is cold[1]  # flushed: hot[1] has no cached prefix any more, the head goes
+    assert admit() is hot[1] and hot[1].num_computed_tokens == 0
+    kv.check_integrity()
+
+
+def _in_flight_by_definition(kv: KVCacheManager, seq: Sequence, running: list[Sequence]) -> bool:
+    """The rule spelled out block by block: a running prompt still prefilling shares more leading
+    full blocks with `seq` (within both prompts, leaving seq's last token) than the cache holds."""
+    bs = kv.block_size
+    cached = kv.cached_prefix_len(seq.token_ids) // bs
+    limit = (seq.num_tokens - 1) // bs
+    for other in running:
+        if other.num_computed_tokens >= other.num_prompt_tokens:
+            continue
+        shared, top = 0, min(limit, other.num_prompt_tokens // bs)
+        while shared < top and seq.token_ids[shared * bs : (shared + 1) * bs] == other.token_ids[shared * bs : (shared + 1) * bs]:
+            shared += 1
+        if shared > cached:
+            return True
+    return False
+
+
+def test_prefix_in_flight_agrees_with_block_by_block_definition():
+    rng = random.Random(0)
+    bs = 4
+    stem = [rng.randrange(1000) for _ in range(40)]
+    checked = {True: 0, False: 0}
+    for trial in range(300):
+        kv = KVCacheManager(num_blocks=512, block_size=bs)
+        sched = Scheduler(SchedulerConfig(), kv)
+
+        def prompt() -> list[int]:  # a random share of the stem, then tokens of its own
+            keep = rng.randrange(len(stem) + 1)
+            toks = stem[:keep] + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 10))]
+            if keep and rng.random() < 0.3:  # the stem with one token changed: parts, then agrees
+                toks[rng.randrange(keep)] = 5000
+            return toks
+
+        cached = stem[: rng.randrange(len(stem) + 1)] + [7]
+        kv.attach_cached_prefix(10_000, cached)
+        kv.allocate_slots(10_000, 0, len(cached))
+        kv.cache_computed_blocks(10_000, cached, len(cached))
+        kv.free(10_000)
+        running = []
+        for i in range(rng.randrange(1, 5)):
+            toks = prompt()
+            s = Sequence("r", 0, toks, len(toks), SamplingParams())
+            s.num_computed_tokens = rng.randrange(len(toks) + 1)  # some still prefilling
+            running.append(s)
+        prefilling = [s for s in running if s.num_computed_tokens < s.num_prompt_tokens]
+        for _ in range(4):
+            toks = prompt()
+            seq = Sequence("w", 0, toks, len(toks), SamplingParams())
+            expected = _in_flight_by_definition(kv, seq, running)
+            assert sched._prefix_in_flight(seq, prefilling) is expected, (trial, toks)
+            checked[expected] += 1
+    assert min(checked.values()) > 50  # both answers were exercised

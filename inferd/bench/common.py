@@ -24,12 +24,16 @@ def add_model_args(p: argparse.ArgumentParser, peers: bool = True) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", "-q", default="none",
                    help="inferd's weights: none (fp32, what HF runs) or auto/int8/int4/fp8")  # fmt: skip
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads, which llama.cpp uses too (0: torch's default); on a loaded "
-                        "machine fewer threads than cores avoid OpenMP's oversubscription collapse")  # fmt: skip
+    add_threads_arg(p)
     if peers:
         p.add_argument("--peers", default="hf,llama.cpp",
                        help="comma list: hf, llama.cpp (skipped with a note when not installed), none")  # fmt: skip
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads, which llama.cpp uses too (0: torch's default); on a loaded "
+                        "machine fewer threads than cores avoid OpenMP's oversubscription collapse")  # fmt: skip
 
 
 def set_threads(n: int) -> None:

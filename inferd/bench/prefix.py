@@ -7,7 +7,9 @@
   tokens computed (after one untimed round of the same).
 
 The two engines (cache on, cache off) share the weights and take turns run by run, so that a change
-in the machine's load during the benchmark hits both alike.
+in the machine's load during the benchmark hits both alike. On a machine shared with other jobs,
+`--threads 1 --clock cpu` times requests in the process's CPU time: the work, not the waits for a
+core (with one thread, CPU time is the time the work would take on an idle core).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
+import torch
+
+from inferd.bench.common import add_threads_arg, set_threads
 from inferd.bench.prompts import synthetic_prompt
 
 
@@ -51,13 +57,19 @@ def run_prefix(args: argparse.Namespace) -> dict:
     from inferd import LLM
     from inferd.loader import load_model
 
+    set_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        # CPU time sums every thread's: it is a duration only with one thread.
+        raise ValueError(f"--clock cpu needs --threads 1 (torch runs {torch.get_num_threads()} threads)")
     loaded = load_model(args.model, verbose=False)
     tok = loaded.tokenizer
-    report: dict = {"scenario": args.scenario}
+    report: dict = {"scenario": args.scenario, "threads": torch.get_num_threads(), "clock": args.clock}
     llms = {}
     for cache in (True, False):
         llms[cache] = LLM(loaded=loaded, verbose=False, enable_prefix_caching=cache,
                           max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        if args.clock == "cpu":
+            llms[cache].engine.clock = time.process_time
         llms[cache].generate([[1, 2, 3]], use_tqdm=False)  # warm-up
     results: dict[str, list[dict]] = {"cache_on": [], "cache_off": []}
     # Shared-prefix: one untimed round first, so the timed ones do not pay for the first use of
@@ -118,4 +130,8 @@ def add_prefix_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--turn-tokens", type=int, default=60, help="tokens per user turn (multi-turn)")
     p.add_argument("--answer-tokens", type=int, default=300, help="tokens per answer (multi-turn)")
+    add_threads_arg(p)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="what TTFT is measured in: wall time, or the process's CPU time (needs "
+                        "--threads 1; the work alone, for a machine shared with other jobs)")  # fmt: skip
     p.set_defaults(func=run_prefix)

@@ -115,6 +115,9 @@ class EngineCore:
         self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device, kv_cache_dtype=kv_cache_dtype)
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
+        # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
+        # shared with other jobs may set time.process_time (one thread) to time work, not waits.
+        self.clock = time.monotonic
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.stats_logger = StatsLogger(config.log_stats_interval)
         self.weight_bytes = resident_weight_bytes(model)
@@ -212,7 +215,7 @@ class EngineCore:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.validate(prompt_token_ids if prompt_token_ids is not None else prompt, params)
-        now = arrival_time if arrival_time is not None else time.monotonic()
+        now = arrival_time if arrival_time is not None else self.clock()
         matcher = None
         if params.structured is not None:
             try:  # a cache hit when the caller prepared it off the loop (AsyncEngine, LLM)
@@ -332,7 +335,7 @@ class EngineCore:
         if bitmask is not None and seqs != will_sample:  # never expected
             bitmask = self.structured.fill([s.matcher for s in seqs])
         result = self.sampler(logits, sample_rows, sample_seqs, bitmask)
-        now = time.monotonic()
+        now = self.clock()
         self.stats.generation_tokens_total += len(sample_seqs)
         deltas = [self._append_tokens(seq, [tok], [lp], now)
                   for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
@@ -348,7 +351,7 @@ class EngineCore:
             return []
         index = torch.tensor(rows, device=logits.device)
         results = verify(logits[index], seqs, self.eos_token_ids, self.model_config.vocab_size)
-        now = time.monotonic()
+        now = self.clock()
         deltas: list[SequenceDelta] = []
         last_rows: list[int] = []  # per sequence: the row of its last accepted token
         offset = 0

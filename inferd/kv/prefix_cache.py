@@ -42,6 +42,9 @@ class PrefixCache:
         self.root = _Node((), -1, None)
         self.num_nodes = 0
         self._clock = itertools.count(1)
+        # Bumped whenever a node is added or removed: a lookup's answer stays valid while the
+        # version does (touching nodes for LRU changes no answer), so callers may memoise it.
+        self.version = 0
 
     def _chunks(self, token_ids: Sequence[int], num_blocks: int):
         bs = self.block_size
@@ -80,6 +83,7 @@ class PrefixCache:
                     self.pool.incref([table[i]])
                     self.pool.mark_cached(table[i])
                     self.num_nodes += 1
+                    self.version += 1
                 elif child.block != table[i]:
                     self.pool.incref([child.block])
                     self.pool.decref([table[i]])
@@ -102,6 +106,7 @@ class PrefixCache:
             self.pool.unmark_cached(node.block)
             self.pool.decref([node.block])
             self.num_nodes -= 1
+            self.version += 1
             freed += 1
             if parent is not self.root and not parent.children and self.pool.ref_counts[parent.block] == 1:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
@@ -135,6 +140,7 @@ class NullPrefixCache:
 
     enabled = False
     num_nodes = 0
+    version = 0
 
     def match(self, token_ids: Sequence[int], max_tokens: int, touch: bool = True) -> list[int]:
         return []

@@ -41,6 +41,9 @@ class Scheduler:
         self.prefix_hits_tokens = 0  # ... and found there
         self.lpm_window = 16  # how far back cache-aware admission looks
         self.max_skips = 8  # bounded wait for a request passed over by cache-aware admission
+        # seq_id → (prefix cache version, tokens it could serve) for waiting sequences: a lookup
+        # walks the tree block by block, and its answer only changes when the tree does.
+        self._cached_len_memo: dict[int, tuple[int, int]] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -61,6 +64,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._cached_len_memo.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         self.kv.free(seq.seq_id)
 
@@ -128,7 +132,10 @@ class Scheduler:
             prefill_room = self._prefill_room(num_decodes)
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is full).
-        deferred: list[Sequence] = []
+        deferred: set[int] = set()  # seq_ids that wait for a prefix another sequence computes
+        # Running sequences still computing their prompt: they may be computing blocks a waiting
+        # sequence could reuse next step. (No preemption below: built once, grown on admission.)
+        prefilling = [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
         while (
             len(self.waiting) > len(deferred)
             and min(budget, prefill_room) > 0
@@ -136,8 +143,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self._pick_waiting(deferred)
-            if self._prefix_in_flight(seq):
-                deferred.append(seq)  # wait for the running prefill to cache it, then reuse it
+            if self._prefix_in_flight(seq, prefilling):
+                deferred.add(seq.seq_id)  # wait for the running prefill to cache it, then reuse it
                 continue
             # Reuse the longest cached prefix: only the rest is computed.
             cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids)
@@ -152,49 +159,67 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             self.waiting.remove(seq)
+            self._cached_len_memo.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prefilling.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
             prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _prefix_in_flight(self, seq: Sequence) -> bool:
+    def _cached_prefix_len(self, seq: Sequence) -> int:
+        """Tokens of a waiting `seq` the prefix cache could serve now, looked up once per change
+        of the tree (not once per candidate per admission: that was O(waiting × prompt blocks)
+        for every sequence admitted)."""
+        version = self.kv.prefix_cache.version
+        memo = self._cached_len_memo.get(seq.seq_id)
+        if memo is None or memo[0] != version:
+            memo = (version, self.kv.cached_prefix_len(seq.token_ids))
+            self._cached_len_memo[seq.seq_id] = memo
+        return memo[1]
+
+    def _prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """True when a running sequence is still prefilling blocks `seq` could reuse beyond what the
         cache already has. Admitting `seq` now would compute the same prefix twice; a step or a few
         later it is served from the cache instead."""
-        if not self.kv.prefix_cache.enabled:
+        if not self.kv.prefix_cache.enabled or not prefilling:
             return False
         bs = self.kv.block_size
-        cached_blocks = self.kv.cached_prefix_len(seq.token_ids) // bs
+        cached = self._cached_prefix_len(seq) // bs  # blocks the cache serves now
         limit = (seq.num_tokens - 1) // bs  # blocks seq could ever take from the cache
-        for other in self.running:
-            if other.num_computed_tokens >= other.num_prompt_tokens:
-                continue  # past its prefill: what it shares is already cached
-            shared = 0
-            top = min(limit, other.num_prompt_tokens // bs)
-            while shared < top and seq.token_ids[shared * bs : (shared + 1) * bs] == other.token_ids[shared * bs : (shared + 1) * bs]:
-                shared += 1
-            if shared > cached_blocks:
+        # `other` shares more than the cache holds iff their first cached + 1 blocks agree (and
+        # that many blocks lie within both prompts). Block `cached` alone first: where a common
+        # prefix is cached, that is where sequences part, so the full comparison rarely runs.
+        end = (cached + 1) * bs
+        tokens = seq.token_ids
+        for other in prefilling:
+            if cached >= min(limit, other.num_prompt_tokens // bs):
+                continue
+            theirs = other.token_ids
+            if theirs[end - bs : end] == tokens[end - bs : end] and theirs[:end] == tokens[:end]:
                 return True
         return False
 
-    def _pick_waiting(self, deferred: list[Sequence]) -> Sequence:
+    def _pick_waiting(self, deferred: set[int]) -> Sequence:
         """The next waiting sequence to admit: the head of the queue, unless a request of the same
         priority a little further back has a longer cached prefix (SGLang's longest-prefix-match,
         which keeps the hot prefix in cache). A head passed over `max_skips` times goes first, so
         nobody starves."""
-        candidates = [s for s in self.waiting if s not in deferred] if deferred else self.waiting
-        head = candidates[0]
-        if not self.kv.prefix_cache.enabled or len(candidates) == 1 or head.num_skips >= self.max_skips:
+        waiting = self.waiting
+        if deferred:
+            waiting = [s for s in waiting if s.seq_id not in deferred]
+        head = waiting[0]
+        if not self.kv.prefix_cache.enabled or len(waiting) == 1 or head.num_skips >= self.max_skips:
             return head
-        window = [s for s in candidates[: self.lpm_window] if s.priority == head.priority]
-        best = max(window, key=lambda s: (self.kv.cached_prefix_len(s.token_ids), -window.index(s)))
-        if best is not head:
-            for s in window[: window.index(best)]:
-                s.num_skips += 1
-        return best
+        window = [s for s in waiting[: self.lpm_window] if s.priority == head.priority]
+        # Longest cached prefix; among equals, the earliest in the queue.
+        best_i = max(range(len(window)), key=lambda i: (self._cached_prefix_len(window[i]), -i))
+        for s in window[:best_i]:
+            s.num_skips += 1
+        return window[best_i]
 
     def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
         """The lowest-priority, latest running sequence not already scheduled; else `seq` itself."""
