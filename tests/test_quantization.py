@@ -52,7 +52,7 @@ def test_gguf_blocks_load_natively_and_bit_exact(tiny_models, name: str) -> None
 @pytest.mark.parametrize("name", ["llama-q4_1.gguf", "llama-mixed.gguf", "qwen2-tied-q8_0.gguf"])
 def test_native_quantized_greedy_equals_dequantized(tiny_models, name: str, monkeypatch) -> None:
     # With fp32 activations the packed weights compute what their dequantized copies do. The
-    # default int8 activations round x too: these random models' near-flat logits then part
+    # int8 activations (INFERD_INT8_ACTIVATIONS=1) round x too: these random models' near-flat logits then part
     # from the dense greedy path within a few tokens (llama-q4_1: at token 3 of 12); the test
     # below bounds their logits instead, and the default model's greedy test runs them.
     monkeypatch.setattr(formats, "INT8_ACTIVATIONS", False)
