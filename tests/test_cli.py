@@ -32,7 +32,7 @@ def test_generate_with_int8_kv_cache():
 
 
 def test_chat_repl_uses_template_and_exits():
-    # fp32 weights: with the GGUF's Q4_1 blocks on int8 activations (INFERD_INT8_ACTIVATIONS=1)
+    # fp32 weights: with the GGUF's Q4_1 blocks on int8 activations (the default for decode)
     # the model answers this question "L'Étoile, la Cité, ..." (so does llama.cpp on the same
     # file); in fp32, "Paris".
     r = _inferd("chat", "--max-tokens", "12", "--temperature", "0", "--kv-cache-memory", "64MiB",

@@ -145,7 +145,7 @@ def _int_call(ext, x, qw):
     return ext.q4_linear(x, qw.data, qw.scales, qw.mins, qw.group, True)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 70])
 def test_int8_activation_kernels_match_their_reference(int_ext, m: int) -> None:
     from inferd.quantization.formats import int8_activation_matmul_reference, quantize_activations
 
@@ -173,12 +173,21 @@ def test_int8_activation_kernels_match_their_reference(int_ext, m: int) -> None:
         assert rel < 0.02, (qw.source, qw.shape, m, rel)
 
 
+def test_int8_activation_rows_are_batch_invariant(int_ext) -> None:
+    """A row's result is the same bits alone and among any number of rows (the one-row kernel and
+    the many-row AVX512 tiles share every float operation): a request's numerics never depend on
+    what else shares its step. 70 rows cross the tiles' 64-row chunks and a 4-row remainder."""
+    g = torch.Generator().manual_seed(7)
+    for qw in _int_weights():
+        x = torch.randn(70, qw.shape[1], generator=g)
+        together = _int_call(int_ext, x, qw)
+        for m in (1, 3, 5, 70):
+            parts = torch.cat([_int_call(int_ext, x[i : i + m].contiguous(), qw) for i in range(0, 70, m)])
+            assert torch.equal(parts, together), (qw.source, qw.shape, m)
+
+
 def test_quantized_matmul_int8_activations_dispatch(ext) -> None:
-    from inferd.quantization.formats import (
-        INT8_ACTIVATION_MAX_ROWS,
-        int8_activation_matmul_reference,
-        quantized_matmul,
-    )
+    from inferd.quantization.formats import int8_activation_matmul_reference, quantized_matmul
 
     qw = quantize(torch.randn(37, 96), "int4", 32)
     small = torch.randn(2, 3, 96)  # 6 rows: int8 activations
@@ -189,9 +198,13 @@ def test_quantized_matmul_int8_activations_dispatch(ext) -> None:
     exact = F.linear(small, dequantize_rows(qw))
     torch.testing.assert_close(quantized_matmul(small, qw, int8_activations=False), exact,
                                rtol=1e-4, atol=1e-4)  # fmt: skip
-    # Above INT8_ACTIVATION_MAX_ROWS rows (prefill chunks) activations stay fp32 either way.
-    big = torch.randn(INT8_ACTIVATION_MAX_ROWS + 1, 96)
-    torch.testing.assert_close(quantized_matmul(big, qw, int8_activations=True),
+    # Prefill-sized calls take them too, with each row's bits as alone (batch invariance); opted
+    # out, they take the BLAS sgemm on the dequantised weight.
+    big = torch.randn(45, 96)
+    got = quantized_matmul(big, qw, int8_activations=True)
+    for r in (0, 17, 44):
+        assert torch.equal(got[r : r + 1], quantized_matmul(big[r : r + 1], qw, int8_activations=True))
+    torch.testing.assert_close(quantized_matmul(big, qw, int8_activations=False),
                                F.linear(big, dequantize_rows(qw)), rtol=1e-4, atol=1e-4)  # fmt: skip
     # fp8 weights have no integer path: fp32 activations at any row count.
     f8 = quantize_fp8(torch.randn(37, 96))

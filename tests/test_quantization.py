@@ -20,8 +20,9 @@ from inferd.quantization.policy import resident_weight_bytes
 KV_BYTES = 8 << 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "def forward(self, x):", "Café, naïve, résumé"]
-# Top-20 logprobs with int8 vs fp32 activations, relative: measured 0.54-0.79% on the tiny models.
-REL_INT8_ACTIVATIONS = 0.015
+# Top-20 logprobs of a decode step with int8 vs fp32 activations, relative: up to 1.5% measured
+# on the tiny models (their near-flat logits magnify the rounding).
+REL_INT8_ACTIVATIONS = 0.03
 
 
 def _llm(path, mode: str, **kw) -> LLM:
@@ -52,7 +53,7 @@ def test_gguf_blocks_load_natively_and_bit_exact(tiny_models, name: str) -> None
 @pytest.mark.parametrize("name", ["llama-q4_1.gguf", "llama-mixed.gguf", "qwen2-tied-q8_0.gguf"])
 def test_native_quantized_greedy_equals_dequantized(tiny_models, name: str, monkeypatch) -> None:
     # With fp32 activations the packed weights compute what their dequantized copies do. The
-    # int8 activations (INFERD_INT8_ACTIVATIONS=1) round x too: these random models' near-flat logits then part
+    # int8 activations (the default for generated tokens) round x too: these random models' near-flat logits then part
     # from the dense greedy path within a few tokens (llama-q4_1: at token 3 of 12); the test
     # below bounds their logits instead, and the default model's greedy test runs them.
     monkeypatch.setattr(formats, "INT8_ACTIVATIONS", False)
@@ -71,18 +72,18 @@ def test_native_quantized_greedy_equals_dequantized(tiny_models, name: str, monk
 
 @pytest.mark.parametrize("name", ["llama-q4_1.gguf", "llama-mixed.gguf", "qwen2-tied-q8_0.gguf"])
 def test_int8_activations_keep_logits_close(tiny_models, name: str, monkeypatch) -> None:
-    """The default path (x rounded to int8 per 32-block for <= 16-row calls, as llama.cpp) against
-    the same model with fp32 activations, at a short prompt's prefill and first decode."""
+    """The default path (x rounded to int8 per 32-block, as llama.cpp) against the same model
+    with fp32 activations, at a short prompt's prefill and first decode step: close, not equal."""
     model = tiny_models[name]
     native = _llm(model.path, "auto")
     ids = torch.tensor(model.tokenizer.encode("The quick brown fox").ids)
-    assert len(ids) <= formats.INT8_ACTIVATION_MAX_ROWS  # the prefill takes the int8 path too
     monkeypatch.setattr(formats, "INT8_ACTIVATIONS", True)
-    got = _last_logits(native, ids)
+    got = _logits(native, ids, 2)
     monkeypatch.setattr(formats, "INT8_ACTIVATIONS", False)
-    want = _last_logits(native, ids)
-    rel = ((got - want).norm() / want.norm()).item()
-    assert 0 < rel < REL_INT8_ACTIVATIONS, rel
+    want = _logits(native, ids, 2)
+    for g, w in zip(got, want):
+        rel = ((g - w).norm() / w.norm()).item()
+        assert 0 < rel < REL_INT8_ACTIVATIONS, rel
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
@@ -104,11 +105,16 @@ def test_every_mode_quantizes_every_linear(tiny_models, mode: str) -> None:
     assert _greedy(llm)  # and it generates
 
 
-def _last_logits(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
+def _logits(llm: LLM, ids: torch.Tensor, positions: int = 1) -> list[torch.Tensor]:
+    """Top-20 logprobs (sorted) of each of the first `positions` generated positions."""
     out = llm.generate({"prompt_token_ids": ids.tolist()},
-                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
-    lp = out[0].outputs[0].logprobs[0]  # top-20 logprobs of the first generated position
-    return torch.tensor(sorted(v.logprob for v in lp.values()))
+                       SamplingParams(temperature=0.0, max_tokens=positions, logprobs=20,
+                                      ignore_eos=True), use_tqdm=False)  # fmt: skip
+    return [torch.tensor(sorted(v.logprob for v in lp.values())) for lp in out[0].outputs[0].logprobs]
+
+
+def _last_logits(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
+    return _logits(llm, ids)[0]
 
 
 @pytest.mark.parametrize("group", [64, 128])

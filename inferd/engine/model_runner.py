@@ -30,8 +30,11 @@ _LAZY_ZERO_BYTES = 64 << 20
 # Queries up to this long (decodes, short prompts and chunks) share one padded attention call;
 # longer prefill chunks run one sequence at a time, where padding would cost more than it saves.
 PADDED_GROUP_MAX_QUERY = 32
-# The C++ kernel scores one query row at a time: best for decodes; longer queries go to SDPA.
-KERNEL_MAX_QUERY = 4
+# The C++ kernel scores one query row at a time: best for decodes and speculative verification
+# (1 + k rows); longer queries go to SDPA. Which path a sequence takes depends on its own query
+# length only, never on what else is in the step: with int8 activations a different attention
+# path's 1e-7 rounding differences grow into different tokens (quantization/formats.py).
+KERNEL_MAX_QUERY = 9
 
 
 def allocate_kv_cache(
@@ -83,6 +86,9 @@ class ModelRunner:
             from inferd.kernels.paged_attention import extension
 
             self.attention_kernel = extension()
+        # With the kernel, the padded group is the kernel's (every member on the same path);
+        # without, queries up to PADDED_GROUP_MAX_QUERY share one padded SDPA call.
+        self.group_max_query = KERNEL_MAX_QUERY if self.attention_kernel is not None else PADDED_GROUP_MAX_QUERY
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -109,7 +115,7 @@ class ModelRunner:
                 input_ids.extend(seq.spec_token_ids[: end - num_tokens])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n <= PADDED_GROUP_MAX_QUERY:
+            if n <= self.group_max_query:
                 group.append((row0, n, end, table[: (end + bs - 1) // bs]))
             else:
                 mask = None

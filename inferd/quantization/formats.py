@@ -246,26 +246,28 @@ def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> tor
     return y.float()
 
 
-# INFERD_INT8_ACTIVATIONS=1: calls of up to this many rows run int8 and int4 weights against
-# int8-quantized activations (as llama.cpp does; ~1.7x faster decode). Off by default: the choice
-# depends on a call's row count, so a request's numerics would depend on what else shares its step
-# — greedy outputs at batch 256 differed from the same request alone, and a seeded sample was not
-# reproducible across batches. On, once every row of every call can take the same path.
-INT8_ACTIVATIONS = os.environ.get("INFERD_INT8_ACTIVATIONS", "0") == "1"
-INT8_ACTIVATION_MAX_ROWS = 16  # measured: 1.1-1.4x the fp32-activation kernels at 16 rows
+# int8 activations (INFERD_INT8_ACTIVATIONS, on unless "0"): int8 and int4 weights meet
+# activations rounded to int8 per 32-block and integer block dots, as llama.cpp does — decode ~1.7x
+# faster, perplexity +0.3-0.5%. Every row of every call takes them: the kernels give a row the same
+# bits alone or among any number of rows (int8_dot.h), and that must hold end to end, because
+# rounding to int8 turns a 1e-6 difference upstream into int8-noise-sized ones (a row prefilled
+# through the BLAS sgemm alone and through the fused kernel in a batch differed by 7e-6 in fp32,
+# then by 0.1 nats at the next token once rounded). The price is prefill: the integer kernels reach
+# ~0.8x of the sgemm on the dequantised weight here (per-32-block scales cost a convert and two
+# float ops per block).
+INT8_ACTIVATIONS = os.environ.get("INFERD_INT8_ACTIVATIONS", "1") != "0"
 
 
 @contextlib.contextmanager
-def int8_activations_for_all_rows():
-    """Within: every int8/int4 matmul takes int8 activations, prefill-sized ones too — to measure
-    their perplexity on long windows (`perplexity --modes auto-a8`); decode sees the same numerics."""
-    global INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS
-    saved = INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS
-    INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS = True, 1 << 62, 1 << 62
+def int8_activations(on: bool = True):
+    """Within: int8/int4 matmuls take int8 activations (on) or fp32 ones (off), whatever the
+    default — perplexity measures both."""
+    global INT8_ACTIVATIONS
+    saved, INT8_ACTIVATIONS = INT8_ACTIVATIONS, on
     try:
         yield
     finally:
-        INT8_ACTIVATIONS, INT8_ACTIVATION_MAX_ROWS, DEQUANT_GEMM_MIN_ROWS = saved
+        INT8_ACTIVATIONS = saved
 
 
 # ---- matmul ------------------------------------------------------------------------------------
@@ -277,21 +279,23 @@ def _kernels():
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True,
                      int8_activations: bool | None = None) -> torch.Tensor:
-    """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernel for fp32 CPU input, else
+    """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernels for fp32 CPU input, else
     (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch. With
-    `int8_activations` (None: INT8_ACTIVATIONS), int8/int4 weights at <= INT8_ACTIVATION_MAX_ROWS
-    rows take the integer-dot kernels (x rounded to int8 per 32-block; fp32 accumulation)."""
+    `int8_activations` (None: INT8_ACTIVATIONS) int8/int4 weights take the integer-dot kernels
+    (x rounded to int8 per 32-block; fp32 accumulation) at any row count."""
     if use_kernels and x.device.type == "cpu" and x.dtype == torch.float32:
         ext = _kernels()
         if ext is not None:
             x2 = x.reshape(-1, w.shape[1])
-            if x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
-                # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
-                return F.linear(x, _kernel_call(ext, x2[:0], w))
             if int8_activations is None:
                 int8_activations = INT8_ACTIVATIONS
-            int8_x = int8_activations and x2.shape[0] <= INT8_ACTIVATION_MAX_ROWS
-            y = _kernel_call(ext, x2.contiguous(), w, int8_x)
+            if int8_activations and w.format != "fp8":
+                y = _kernel_call(ext, x2.contiguous(), w, True)
+            elif x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
+                # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
+                y = F.linear(x2, _kernel_call(ext, x2[:0], w))
+            else:
+                y = _kernel_call(ext, x2.contiguous(), w)
             return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, dequantize_rows(w).to(x.dtype))
 

@@ -20,6 +20,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8DOT_ZMM 1  // gemm() below: two output rows per 512-bit register
+#endif
+
 namespace int8dot {
 
 // The activation rows quantized: q [M, K] int8, d and s [M, K / 32] (scale, d · Σ q of the block).
@@ -51,13 +55,12 @@ inline int32_t hsum_i32(__m256i v) {
 }
 
 // x * id rounded to nearest-even (the default MXCSR mode; torch.round in the Python reference),
-// d = amax / 127 and id = 1 / d computed in fp32 exactly as the reference does.
-inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)),
-                  std::vector<float>(M * (K / 32)), M, K, K / 32};
+// d = amax / 127 and id = 1 / d computed in fp32 exactly as the reference does. Rows [i0, i1).
+inline void quantize_rows_range(const float* x, QuantizedRows& r, int64_t i0, int64_t i1) {
+  const int64_t K = r.K;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < M; ++i)
+  for (int64_t i = i0; i < i1; ++i)
     for (int64_t b = 0; b < r.nb; ++b) {
       const float* p = x + i * K + b * 32;
       __m256 v[4];
@@ -76,6 +79,15 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       const __m256i qsum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
       r.s[i * r.nb + b] = d * static_cast<float>(hsum_i32(qsum));
     }
+}
+
+// Every row quantized; `parallel(n, fn)` runs fn(i0, i1) over row ranges (at::parallel_for in
+// the extension: a 512-row prefill chunk is ~0.3 ms of rounding on one core).
+template <typename Parallel>
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Parallel parallel) {
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)),
+                  std::vector<float>(M * (K / 32)), M, K, K / 32};
+  parallel(M, [&](int64_t i0, int64_t i1) { quantize_rows_range(x, r, i0, i1); });
   return r;
 }
 
@@ -216,6 +228,15 @@ struct Q8Fmt {
   inline Row row(int64_t n) const { return q + n * K; }
   inline int64_t row_bytes() const { return K; }
   static inline Q8Block block(Row r, int64_t b) { return load_q8(r + b * 32); }
+#ifdef INT8DOT_ZMM
+  static constexpr bool kSigned = true;
+  // Block b of rows r0 and r1 side by side, as stored (signed): gemm's unpack takes |w| and signs.
+  static inline __m512i pair(Row r0, Row r1, int64_t b) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + b * 32))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + b * 32)), 1);
+  }
+#endif
 };
 
 template <typename S>
@@ -228,6 +249,125 @@ struct Q4Fmt {
   inline Row row(int64_t n) const { return q + n * (K / 2); }
   inline int64_t row_bytes() const { return K / 2; }
   static inline Q4Block block(Row r, int64_t b) { return load_q4(r + b * 16); }
+#ifdef INT8DOT_ZMM
+  static constexpr bool kSigned = false;
+  // Block b of rows r0 and r1 as 2 x 32 nibbles in weight order (load_q4's, per 256-bit half).
+  static inline __m512i pair(Row r0, Row r1, int64_t b) {
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + b * 16))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + b * 16)), 1);
+    // 128-bit lanes [r0 lo, r1 lo, r0 hi, r1 hi] → [r0 lo, r0 hi, r1 lo, r1 hi]
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+  }
+#endif
 };
+
+#ifdef INT8DOT_ZMM
+// ---- gemm: many activation rows (prefill chunks, batched decode), AVX512-VNNI --------------
+// Bit for bit what gemv gives for every (row, output) pair, so that a request's numerics never
+// depend on how many rows share its call: each pair keeps gemv's 8 lanes per block (a block's
+// 8 int32 partial dots, converted, times the fp32 product weight scale · activation scale, FMA'd
+// into the even- or odd-block accumulator), gemv's final reduction and its min term. What changes
+// is only the packing: one zmm holds the same 8 lanes of two output rows, so a block costs one
+// vpdpbusd, one convert, one multiply and one FMA per two pairs instead of per pair, and a tile
+// of 4 output rows is unpacked once for every activation row of a chunk.
+constexpr int kTileN = 4;          // output rows per tile: 2 zmm pairs
+constexpr int64_t kRowChunk = 64;  // activation rows per pass over a tile (int8 rows stay in L1/L2)
+
+// gemv's hadd(acc0 + acc1) of one 8-lane half, in the same order: (l + h) pairs, then halves.
+inline float reduce8(const float* a) {
+  const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+  return (s0 + s2) + (s1 + s3);
+}
+
+// Activation rows [m0, m0 + MR) against one unpacked tile: w[b * 2 + p] the weights of pair p
+// (output rows 2p, 2p + 1 of the tile) for block b, neg its sign mask (signed formats), ws the
+// matching weight scales; out[i][j] the dot of row m0 + i with output row j of the tile.
+template <int MR, bool Signed>
+inline void tile_rows(const __m512i* w, const __mmask64* neg, const __m512* ws, const QuantizedRows& x,
+                      int64_t m0, float out[MR][kTileN]) {
+  const int64_t nb = x.nb, K = x.K;
+  __m512 acc[MR][2][2];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < 2; ++p) acc[i][p][0] = acc[i][p][1] = _mm512_setzero_ps();
+  auto step = [&](int64_t b, int a) __attribute__((always_inline)) {
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xq = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (m0 + i) * K + b * 32)));
+      const __m512 d = _mm512_set1_ps(x.d[(m0 + i) * nb + b]);
+      for (int p = 0; p < 2; ++p) {
+        __m512i xs = xq;
+        if constexpr (Signed) xs = _mm512_mask_sub_epi8(xq, neg[b * 2 + p], _mm512_setzero_si512(), xq);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[b * 2 + p], xs));
+        acc[i][p][a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[b * 2 + p], d), acc[i][p][a]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  alignas(64) float lanes[16];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < 2; ++p) {
+      _mm512_store_ps(lanes, _mm512_add_ps(acc[i][p][0], acc[i][p][1]));
+      out[i][2 * p] = reduce8(lanes);
+      out[i][2 * p + 1] = reduce8(lanes + 8);
+    }
+}
+
+// y[M, N] for tiles [t0, t1) of kTileN output rows (N's remainder past the last tile: gemv).
+template <typename Fmt>
+void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t M = x.M, nb = x.nb;
+  std::vector<__m512i> w(nb * 2);
+  std::vector<__mmask64> neg(nb * 2);
+  std::vector<__m512> ws(nb * 2);
+  std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
+  for (int64_t mc = 0; mc < M; mc += kRowChunk) {
+    const int64_t mend = std::min(M, mc + kRowChunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN;
+      for (int j = 0; j < kTileN; ++j) {
+        expand_blocks(f.scales, n0 + j, f.groups_per_row, f.blocks_per_group, nb, scales.data() + j * nb);
+        if (f.mins) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
+      }
+      for (int p = 0; p < 2; ++p) {
+        const float* s0 = scales.data() + (2 * p) * nb;
+        const float* s1 = scales.data() + (2 * p + 1) * nb;
+        for (int64_t b = 0; b < nb; ++b) {
+          __m512i z = Fmt::pair(f.row(n0 + 2 * p), f.row(n0 + 2 * p + 1), b);
+          if constexpr (Fmt::kSigned) {
+            neg[b * 2 + p] = _mm512_movepi8_mask(z);
+            z = _mm512_abs_epi8(z);
+          }
+          w[b * 2 + p] = z;
+          ws[b * 2 + p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0[b]), _mm512_set1_ps(s1[b]));
+        }
+      }
+      for (int64_t m0 = mc; m0 < mend; m0 += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, mend - m0));
+        float out[4][kTileN];
+        switch (mr) {
+          case 4: tile_rows<4, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
+          case 3: tile_rows<3, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
+          case 2: tile_rows<2, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
+          default: tile_rows<1, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
+        }
+        for (int i = 0; i < mr; ++i)
+          for (int j = 0; j < kTileN; ++j) {
+            float v = out[i][j];
+            if (f.mins) v += dot_f32(mins.data() + j * nb, x.s.data() + (m0 + i) * nb, nb);
+            y[(m0 + i) * N + n0 + j] = v;
+          }
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace int8dot

@@ -244,13 +244,26 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
+constexpr int64_t kInt8GemmMinRows = 4;
+
 // x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt.
 template <typename Fmt>
 torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
-  const int8dot::QuantizedRows qx = int8dot::quantize_rows(x.data_ptr<float>(), M, K);
+  const int8dot::QuantizedRows qx = int8dot::quantize_rows(
+      x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
   float* yp = y.data_ptr<float>();
+#ifdef INT8DOT_ZMM
+  // Same numbers per (row, output) either way (int8_dot.h); gemm from the row count where its
+  // tile unpacking pays.
+  if (M >= kInt8GemmMinRows) {
+    const int64_t tiles = N / int8dot::kTileN, done = tiles * int8dot::kTileN;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(f, qx, yp, N, t0, t1); });
+    if (done < N) int8dot::gemv(f, qx, yp, N, done, N);
+    return y;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8dot::gemv(f, qx, yp, N, n0, n1); });
   return y;
 }
