@@ -60,7 +60,10 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (half-split layout: [x1, x2] → [x1·c - x2·s, x2·c + x1·s]) with the
     full-width tables of `RotaryEmbedding`; q and k heads can go through in one call."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + swapped * sin).to(x.dtype)
+    *lead, d = x.shape
+    xf = x.float()  # no copy when x is fp32
+    # swap_halves as one flip of a [.., 2, D/2] view: a fresh tensor, so the products can be taken
+    # in place; 4 kernels instead of 6 (two slices and a cat), same values, same rounding order.
+    swapped = xf.view(*lead, 2, d // 2).flip(-2).view(*lead, d)
+    out = torch.mul(xf, cos).add_(swapped.mul_(sin))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
