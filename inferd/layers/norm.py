@@ -13,8 +13,11 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel instead of six (61 norms per decoded token); the same fp32 result.
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # torch.rms_norm is no fused kernel on the CPU: ATen runs the same composite as 12 ops
+            # (pow, mean = sum + div_, add_, rsqrt, 2 mul, 6 dtype casts), ~50 µs in a decode step.
+            # These 5 give the same bits (x * x is what pow(x, 2) computes) in about half of it.
+            v = (x * x).mean(-1, keepdim=True)
+            return (x * v.add_(self.eps).rsqrt_()).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
