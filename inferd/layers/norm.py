@@ -14,8 +14,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # torch.rms_norm is no fused kernel on the CPU: ATen runs the same composite as 12 ops
-            # (pow, mean = sum + div_, add_, rsqrt, 2 mul, 6 dtype casts), ~50 µs in a decode step.
-            # These 5 give the same bits (x * x is what pow(x, 2) computes) in about half of it.
+            # (pow, mean = sum + div_, add_, rsqrt, 2 mul, 6 dtype casts). These 5 give the same
+            # bits (x * x is what pow(x, 2) computes): ~31 µs instead of ~39 per call inside a
+            # batch-1 decode step (py-spy, 61 calls per token), 9.5 instead of 17 µs alone.
             v = (x * x).mean(-1, keepdim=True)
             return (x * v.add_(self.eps).rsqrt_()).mul_(self.weight)
         dtype = x.dtype
