@@ -2,7 +2,8 @@
 
 The per-layer code calls submodules' `forward` directly and splits with `split_with_sizes`: no
 hooks are ever registered here, and `nn.Module.__call__`'s hook checks plus `Tensor.split`'s Python
-wrapper cost ~1.3 ms per decoded token at batch 1 (30 layers × 9 submodule calls and 3 splits; py-spy).
+wrapper cost ~1.3 ms per decoded token at batch 1 (30 layers × 9 submodule calls and 3 splits;
+py-spy).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.qkv_proj.forward(x).split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
+        qkv = self.qkv_proj.forward(x)
+        qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
         # q and k heads rotate together: one set of elementwise ops instead of two.
         qk = apply_rotary(qk.view(t, self.n_heads + self.n_kv, self.head_dim), *rope)
         q, k = qk.split_with_sizes([self.n_heads, self.n_kv], 1)
