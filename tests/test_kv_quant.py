@@ -188,31 +188,40 @@ def test_engine_runs_with_quantized_kv(tiny_llama_hf, name) -> None:
 
 # ---- the real default model ----------------------------------------------------------------------
 # Greedy decoding of 4 prompts x 64 tokens, int8 / fp8 KV against fp32 KV. Once a near-tie flips
-# a token the rest of the sequence differs, so the measure is the shared prefix of each sequence.
-# Measured: int8 shares 178 of 256 tokens (30, 64, 64, 20), fp8 166 (1, 37, 64, 64: the first
-# prompt's first token is a near-tie).
-MIN_SHARED = {"int8": 0.5, "fp8": 0.5}
+# a token the rest of the sequence differs, so what is checked is where each sequence first
+# differs: there fp32's token must be the quantized run's second choice, within a near-tie of its
+# first. Measured (logprob gaps at the first difference): int8 0.005 / 0.008 / 0.002 / 0.124 at
+# tokens 1 / 45 / 50 / 20; fp8 0.216 / 0.129 at tokens 1 / 37, two sequences identical. (Counting
+# the shared prefix instead made the test hinge on the first prompt's first token, a near-tie
+# that any change of attention kernel can flip.)
+MAX_TIE_GAP = 0.5  # nats
 
 
 @pytest.fixture(scope="module")
 def fp32_kv_greedy():
     from tests.real_model import loaded_default, make_llm
-    from tests.test_greedy_parity import GREEDY, PROMPTS, _generate
+    from tests.test_greedy_parity import PROMPTS, _generate
 
     ids = [loaded_default().tokenizer.encode(p) for p in PROMPTS]
-    return ids, _generate(make_llm(), ids), GREEDY
+    return ids, _generate(make_llm(), ids)
 
 
-@pytest.mark.parametrize("name", list(MIN_SHARED))
+@pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_real_model_greedy_close_to_fp32_kv(fp32_kv_greedy, name) -> None:
+    from inferd import SamplingParams
     from tests.real_model import make_llm
-    from tests.test_greedy_parity import _generate
 
-    ids, want, _ = fp32_kv_greedy
+    ids, want = fp32_kv_greedy
     llm = make_llm(kv_cache_dtype=name)
-    got = _generate(llm, ids)
+    params = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
     llm.engine.check_no_leaks()
-    shared = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(want, got)
-    ]
-    assert sum(shared) >= MIN_SHARED[name] * sum(map(len, want)), shared
+    for w, out in zip(want, outs):
+        got = out.outputs[0].token_ids
+        assert len(got) == len(w)
+        k = next((i for i, (a, b) in enumerate(zip(w, got)) if a != b), None)
+        if k is None:
+            continue
+        top2 = out.outputs[0].logprobs[k]
+        assert w[k] in top2, (name, k, w[k], top2)
+        assert top2[got[k]].logprob - top2[w[k]].logprob <= MAX_TIE_GAP, (name, k, top2)
