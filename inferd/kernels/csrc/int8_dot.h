@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -165,12 +166,15 @@ inline void expand_blocks(const S* v, int64_t n, int64_t groups_per_row, int64_t
   }
 }
 
+// int4's min term of (row i, output n): Σ_b min[n][b] · s[i][b], 8 lanes over the blocks (lane l:
+// blocks l, l + 8, ... while a whole 8 remains, a chain of FMAs), summed in hadd's order, then the
+// remaining blocks one FMA each. gemm runs the same operations with lanes over activation rows.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
   float s = hadd(acc);
-  for (; k < n; ++k) s += a[k] * b[k];
+  for (; k < n; ++k) s = std::fma(a[k], b[k], s);
   return s;
 }
 
@@ -276,18 +280,12 @@ struct Q4Fmt {
 constexpr int kTileN = 4;          // output rows per tile: 2 zmm pairs
 constexpr int64_t kRowChunk = 64;  // activation rows per pass over a tile (int8 rows stay in L1/L2)
 
-// gemv's hadd(acc0 + acc1) of one 8-lane half, in the same order: (l + h) pairs, then halves.
-inline float reduce8(const float* a) {
-  const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
-  return (s0 + s2) + (s1 + s3);
-}
-
 // Activation rows [m0, m0 + MR) against one unpacked tile: w[b * 2 + p] the weights of pair p
 // (output rows 2p, 2p + 1 of the tile) for block b, neg its sign mask (signed formats), ws the
-// matching weight scales; out[i][j] the dot of row m0 + i with output row j of the tile.
+// matching weight scales. out[r * 4 + e]: the dot of row m0 + e with output row r of the tile.
 template <int MR, bool Signed>
 inline void tile_rows(const __m512i* w, const __mmask64* neg, const __m512* ws, const QuantizedRows& x,
-                      int64_t m0, float out[MR][kTileN]) {
+                      int64_t m0, float out[16]) {
   const int64_t nb = x.nb, K = x.K;
   __m512 acc[MR][2][2];
   for (int i = 0; i < MR; ++i)
@@ -311,13 +309,26 @@ inline void tile_rows(const __m512i* w, const __mmask64* neg, const __m512* ws, 
     step(b + 1, 1);
   }
   if (b < nb) step(b, 0);
-  alignas(64) float lanes[16];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < 2; ++p) {
-      _mm512_store_ps(lanes, _mm512_add_ps(acc[i][p][0], acc[i][p][1]));
-      out[i][2 * p] = reduce8(lanes);
-      out[i][2 * p + 1] = reduce8(lanes + 8);
+  // gemv's hadd(acc0 + acc1) for all 16 pairs at once, in its order: lanes j + (j + 4), then
+  // (0 + 2) and (1 + 3), then those two. After the first level, 128-bit lane r of S[i] holds
+  // output r's four partial sums for row i; the next two levels fold rows in, ending with lane r
+  // holding output r for rows 0..3.
+  __m512 S[4];
+  for (int i = 0; i < 4; ++i) {
+    if (i >= MR) {
+      S[i] = _mm512_setzero_ps();
+      continue;
     }
+    const __m512 A = _mm512_add_ps(acc[i][0][0], acc[i][0][1]), B = _mm512_add_ps(acc[i][1][0], acc[i][1][1]);
+    S[i] = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(A, B, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  const __m512 V = _mm512_add_ps(_mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 W = _mm512_add_ps(_mm512_shuffle_ps(S[2], S[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(S[2], S[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(V, W, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(V, W, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
 // y[M, N] for tiles [t0, t1) of kTileN output rows (N's remainder past the last tile: gemv).
@@ -328,8 +339,14 @@ void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0,
   std::vector<__mmask64> neg(nb * 2);
   std::vector<__m512> ws(nb * 2);
   std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
+  // The chunk's block sums transposed ([b][row]) and the tile's min terms ([output][row]): the
+  // min terms (dot_f32's operations, 16 activation rows per instruction) run over it.
+  std::vector<float> sT(nb * kRowChunk), mt(kTileN * kRowChunk);
   for (int64_t mc = 0; mc < M; mc += kRowChunk) {
     const int64_t mend = std::min(M, mc + kRowChunk);
+    if (f.mins)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t i = 0; i < kRowChunk; ++i) sT[b * kRowChunk + i] = mc + i < mend ? x.s[(mc + i) * nb + b] : 0.0f;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
       for (int j = 0; j < kTileN; ++j) {
@@ -349,20 +366,35 @@ void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0,
           ws[b * 2 + p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0[b]), _mm512_set1_ps(s1[b]));
         }
       }
+      if (f.mins)  // dot_f32 for 16 activation rows at a time, operation for operation
+        for (int j = 0; j < kTileN; ++j)
+          for (int64_t i = 0; i < mend - mc; i += 16) {
+            const float* wm = mins.data() + j * nb;
+            auto s_at = [&](int64_t b) { return _mm512_loadu_ps(sT.data() + b * kRowChunk + i); };
+            __m512 a[8];
+            for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 8 <= nb; k += 8)
+              for (int l = 0; l < 8; ++l) a[l] = _mm512_fmadd_ps(_mm512_set1_ps(wm[k + l]), s_at(k + l), a[l]);
+            __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                     _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+            for (; k < nb; ++k) r = _mm512_fmadd_ps(_mm512_set1_ps(wm[k]), s_at(k), r);
+            _mm512_storeu_ps(mt.data() + j * kRowChunk + i, r);
+          }
       for (int64_t m0 = mc; m0 < mend; m0 += 4) {
         const int mr = static_cast<int>(std::min<int64_t>(4, mend - m0));
-        float out[4][kTileN];
+        alignas(64) float out[16];
         switch (mr) {
-          case 4: tile_rows<4, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
-          case 3: tile_rows<3, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
-          case 2: tile_rows<2, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
-          default: tile_rows<1, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, reinterpret_cast<float(*)[kTileN]>(out)); break;
+          case 4: tile_rows<4, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
+          case 3: tile_rows<3, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
+          case 2: tile_rows<2, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
+          default: tile_rows<1, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
         }
-        for (int i = 0; i < mr; ++i)
-          for (int j = 0; j < kTileN; ++j) {
-            float v = out[i][j];
-            if (f.mins) v += dot_f32(mins.data() + j * nb, x.s.data() + (m0 + i) * nb, nb);
-            y[(m0 + i) * N + n0 + j] = v;
+        for (int e = 0; e < mr; ++e)
+          for (int r = 0; r < kTileN; ++r) {
+            float v = out[r * 4 + e];
+            if (f.mins) v += mt[r * kRowChunk + (m0 - mc) + e];
+            y[(m0 + e) * N + n0 + r] = v;
           }
       }
     }
