@@ -77,7 +77,10 @@ def _case(
     v = torch.randn(t, hkv, d, generator=g)
     if cascade:
         assert casc is not None
-    meta = AttentionMetadata(slots, bs, casc if cascade else kern if use_kernel else sdpa, [])
+    if use_kernel and not cascade:
+        meta = AttentionMetadata(slots, bs, None, [], kernel_group=kern)
+    else:
+        meta = AttentionMetadata(slots, bs, casc if cascade else sdpa, [])
     return paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5), cache
 
 

@@ -24,6 +24,7 @@ from tiny_models import (
 from inferd import LLM, SamplingParams
 from inferd.loader import conversion_cache, load_model
 from inferd.loader.gguf_loader import permute_rope, unpermute_rope
+from inferd.quantization import formats
 
 ROUND_TRIP_MODELS = [
     "llama-hf",
@@ -297,7 +298,10 @@ PARITY_MODELS = ["llama-hf", "llama-tied-hf", "qwen2-hf", "llama-f32.gguf", "qwe
 
 
 @pytest.mark.parametrize("name", PARITY_MODELS)
-def test_greedy_parity_with_transformers(tiny_models, hf_reference, name: str) -> None:
+def test_greedy_parity_with_transformers(tiny_models, hf_reference, name: str, monkeypatch) -> None:
+    # HF runs GGUF blocks dequantized with fp32 activations; so does inferd here (its default int8
+    # activations for quantized blocks are bounded in test_quantization / test_perplexity).
+    monkeypatch.setattr(formats, "INT8_ACTIVATIONS", False)
     model = tiny_models[name]
     ref = hf_reference(name)
     prompts = _prompts(model.vocab_size)

@@ -71,7 +71,10 @@ def _case(seed, hq, hkv, d, bs, shapes: list[tuple[int, int]], shared=0, dtype=t
         groups["cascade"] = cascade
     outs = {}
     for name, group in groups.items():
-        meta = AttentionMetadata(slots, bs, group, [])
+        if name == "kernel":
+            meta = AttentionMetadata(slots, bs, None, [], kernel_group=group)
+        else:
+            meta = AttentionMetadata(slots, bs, group, [])
         outs[name] = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5)
     return outs
 

@@ -27,8 +27,8 @@ from inferd.scheduler.sequence import Sequence
 # masked slots, and 0 × NaN from garbage memory would poison the output.
 _LAZY_ZERO_BYTES = 64 << 20
 
-# Queries up to this long (decodes, short prompts and chunks) share one padded attention call;
-# longer prefill chunks run one sequence at a time, where padding would cost more than it saves.
+# Queries up to this long (short prompts and chunks) share one padded attention call; longer
+# prefill chunks run one sequence at a time, where padding would cost more than it saves.
 PADDED_GROUP_MAX_QUERY = 32
 # The C++ kernel scores one query row at a time: best for decodes and speculative verification
 # (1 + k rows); longer queries go to SDPA. Which path a sequence takes depends on its own query
@@ -86,9 +86,6 @@ class ModelRunner:
             from inferd.kernels.paged_attention import extension
 
             self.attention_kernel = extension()
-        # With the kernel, the padded group is the kernel's (every member on the same path);
-        # without, queries up to PADDED_GROUP_MAX_QUERY share one padded SDPA call.
-        self.group_max_query = KERNEL_MAX_QUERY if self.attention_kernel is not None else PADDED_GROUP_MAX_QUERY
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -100,6 +97,7 @@ class ModelRunner:
         slots: list[int] = []
         # Short queries go to the padded group: (first row, q_len, context after step, table).
         group: list[tuple[int, int, int, list[int]]] = []
+        kernel_group: list[tuple[int, int, int, list[int]]] = []
         prefills: list[PrefillSlice] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
@@ -115,7 +113,9 @@ class ModelRunner:
                 input_ids.extend(seq.spec_token_ids[: end - num_tokens])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n <= self.group_max_query:
+            if self.attention_kernel is not None and n <= KERNEL_MAX_QUERY:
+                kernel_group.append((row0, n, end, table[: (end + bs - 1) // bs]))
+            elif n <= PADDED_GROUP_MAX_QUERY:
                 group.append((row0, n, end, table[: (end + bs - 1) // bs]))
             else:
                 mask = None
@@ -136,6 +136,7 @@ class ModelRunner:
             block_size=bs,
             group=self._padded_group(group, len(input_ids)) if group else None,
             prefills=prefills,
+            kernel_group=self._padded_group(kernel_group, len(input_ids)) if kernel_group else None,
         )
         return StepBatch(self._tensor(input_ids), self._tensor(positions), meta, sample_rows,
                          sample_seqs, sample_counts)  # fmt: skip

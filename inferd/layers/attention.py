@@ -122,8 +122,11 @@ class PaddedGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) per new token
     block_size: int
-    group: PaddedGroup | None
+    group: PaddedGroup | None  # the padded SDPA group (cascade attention when a prefix is shared)
     prefills: list[PrefillSlice]
+    # Sequences whose queries the C++ kernel takes (decodes, 1 + k verification rows): chosen by
+    # each sequence's own query length, so its path never depends on the rest of the step.
+    kernel_group: PaddedGroup | None = None
 
 
 def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,25 +209,28 @@ def paged_attention(
         v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != n_kv
 
-    g = meta.group
-    if g is not None and g.kernel is not None:
+    out = None
+    kg = meta.kernel_group
+    if kg is not None:
         out = torch.empty_like(q)
         if quantized:
-            g.kernel.paged_attention_short_quant(
+            kg.kernel.paged_attention_short_quant(
                 q.contiguous(), k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
-                k_cache.fmt.kernel_code, g.row_start, g.q_lens, g.ctx_lens, g.block_tables, out, scale,
+                k_cache.fmt.kernel_code, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables,
+                out, scale,
             )  # fmt: skip
         else:
-            g.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start, g.q_lens,
-                                           g.ctx_lens, g.block_tables, out, scale)  # fmt: skip
-        if not meta.prefills:
+            kg.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, kg.row_start, kg.q_lens,
+                                            kg.ctx_lens, kg.block_tables, out, scale)  # fmt: skip
+        if meta.group is None and not meta.prefills:
             return out
-    elif g is not None:
-        o = _padded_group_attention(q, k_cache, v_cache, meta.group, scale, gqa)
-        if meta.group.is_whole_batch:
+    g = meta.group
+    if g is not None:
+        o = _padded_group_attention(q, k_cache, v_cache, g, scale, gqa)
+        if g.is_whole_batch:
             return o
-        out = torch.empty_like(q).index_copy_(0, meta.group.token_rows, o)
-    else:
+        out = (torch.empty_like(q) if out is None else out).index_copy_(0, g.token_rows, o)
+    elif out is None:
         out = torch.empty_like(q)
 
     for p in meta.prefills:

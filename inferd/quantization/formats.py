@@ -271,10 +271,16 @@ def int8_activations(on: bool = True):
 
 
 # ---- matmul ------------------------------------------------------------------------------------
-def _kernels():
-    from inferd.kernels.quant_gemm import extension
+_EXT: object = None  # the compiled kernels once looked up; False where they cannot be built
 
-    return extension()
+
+def _kernels():
+    global _EXT
+    if _EXT is None:
+        from inferd.kernels.quant_gemm import extension
+
+        _EXT = extension() or False
+    return _EXT or None
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True,
@@ -283,20 +289,22 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
     (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch. With
     `int8_activations` (None: INT8_ACTIVATIONS) int8/int4 weights take the integer-dot kernels
     (x rounded to int8 per 32-block; fp32 accumulation) at any row count."""
-    if use_kernels and x.device.type == "cpu" and x.dtype == torch.float32:
-        ext = _kernels()
-        if ext is not None:
-            x2 = x.reshape(-1, w.shape[1])
+    # ~210 calls per decoded token: the checks below are kept to attribute reads (~1 ms a token).
+    if use_kernels and x.is_cpu and x.dtype == torch.float32:
+        ext = _EXT if _EXT is not None else _kernels()
+        if ext:
+            flat = x.dim() == 2
+            x2 = x if flat else x.reshape(-1, w.shape[1])
             if int8_activations is None:
                 int8_activations = INT8_ACTIVATIONS
             if int8_activations and w.format != "fp8":
-                y = _kernel_call(ext, x2.contiguous(), w, True)
+                y = _kernel_call(ext, x2 if x2.is_contiguous() else x2.contiguous(), w, True)
             elif x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
                 # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
                 y = F.linear(x2, _kernel_call(ext, x2[:0], w))
             else:
                 y = _kernel_call(ext, x2.contiguous(), w)
-            return y.view(*x.shape[:-1], w.shape[0])
+            return y if flat else y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, dequantize_rows(w).to(x.dtype))
 
 
