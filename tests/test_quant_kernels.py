@@ -210,3 +210,23 @@ def test_quantized_matmul_int8_activations_dispatch(ext) -> None:
     f8 = quantize_fp8(torch.randn(37, 96))
     torch.testing.assert_close(quantized_matmul(small, f8, int8_activations=True),
                                F.linear(small, dequantize_rows(f8)), rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_int8_activations_default_follows_the_integer_tiles(monkeypatch) -> None:
+    """By default int8 activations are on where many-row calls have integer tiles (AVX512-VNNI)
+    and off on the AVX2-only build, where prefill would run on the one-row kernel."""
+    from inferd.kernels.build import cpu_flags
+    from inferd.kernels.quant_gemm import extension_avx2
+    from inferd.quantization import formats
+
+    native, avx2 = extension(), extension_avx2()
+    if native is None or avx2 is None:
+        pytest.skip("quantized CPU kernels unavailable here (no compiler or no AVX2)")
+    flags = cpu_flags().split()
+    assert native.has_int8_gemm == all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
+    assert avx2.has_int8_gemm is False
+    monkeypatch.setattr(formats, "INT8_ACTIVATIONS", None)
+    qw = quantize(torch.randn(37, 96), "int4", 32)
+    x = torch.randn(5, 96)
+    want = formats.quantized_matmul(x, qw, int8_activations=native.has_int8_gemm)
+    assert torch.equal(formats.quantized_matmul(x, qw), want)

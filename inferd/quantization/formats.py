@@ -254,8 +254,11 @@ def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> tor
 # through the BLAS sgemm alone and through the fused kernel in a batch differed by 7e-6 in fp32,
 # then by 0.1 nats at the next token once rounded). The price is prefill: the integer kernels reach
 # ~0.8x of the sgemm on the dequantised weight here (per-32-block scales cost a convert and two
-# float ops per block).
-INT8_ACTIVATIONS = os.environ.get("INFERD_INT8_ACTIVATIONS", "1") != "0"
+# float ops per block). INFERD_INT8_ACTIVATIONS=1/0 forces them on/off; by default (None) they are
+# on where the kernels have many-row integer tiles (AVX512-VNNI): elsewhere prefill would run on
+# the one-row kernel, ~2x slower.
+_ENV_INT8 = os.environ.get("INFERD_INT8_ACTIVATIONS")
+INT8_ACTIVATIONS: bool | None = None if _ENV_INT8 in (None, "") else _ENV_INT8 != "0"
 
 
 @contextlib.contextmanager
@@ -296,7 +299,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
             flat = x.dim() == 2
             x2 = x if flat else x.reshape(-1, w.shape[1])
             if int8_activations is None:
-                int8_activations = INT8_ACTIVATIONS
+                int8_activations = INT8_ACTIVATIONS if INT8_ACTIVATIONS is not None else ext.has_int8_gemm
             if int8_activations and w.format != "fp8":
                 y = _kernel_call(ext, x2 if x2.is_contiguous() else x2.contiguous(), w, True)
             elif x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:

@@ -351,4 +351,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("int8_x") = false);
   // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
   m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
+  // Whether many-row calls have integer tiles (AVX512-VNNI): without, int8 activations make
+  // prefill ~2x slower, so they are not the default there.
+#ifdef INT8DOT_ZMM
+  m.attr("has_int8_gemm") = true;
+#else
+  m.attr("has_int8_gemm") = false;
+#endif
 }
