@@ -246,17 +246,16 @@ def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> tor
     return y.float()
 
 
-# int8 activations (INFERD_INT8_ACTIVATIONS, on unless "0"): int8 and int4 weights meet
-# activations rounded to int8 per 32-block and integer block dots, as llama.cpp does — decode ~1.7x
-# faster, perplexity +0.3-0.5%. Every row of every call takes them: the kernels give a row the same
-# bits alone or among any number of rows (int8_dot.h), and that must hold end to end, because
-# rounding to int8 turns a 1e-6 difference upstream into int8-noise-sized ones (a row prefilled
-# through the BLAS sgemm alone and through the fused kernel in a batch differed by 7e-6 in fp32,
-# then by 0.1 nats at the next token once rounded). The price is prefill: the integer kernels reach
-# ~0.8x of the sgemm on the dequantised weight here (per-32-block scales cost a convert and two
-# float ops per block). INFERD_INT8_ACTIVATIONS=1/0 forces them on/off; by default (None) they are
-# on where the kernels have many-row integer tiles (AVX512-VNNI): elsewhere prefill would run on
-# the one-row kernel, ~2x slower.
+# int8 activations: int8 and int4 weights meet activations rounded to int8 per 32-block and
+# integer block dots, as llama.cpp does — decode ~1.5x faster, perplexity +0.2-0.5%. Every row of
+# every call takes them: the kernels give a row the same bits alone or among any number of rows
+# (int8_dot.h), and that must hold end to end, because rounding to int8 turns a 1e-6 difference
+# upstream into int8-noise-sized ones (a row prefilled through the BLAS sgemm alone and through the
+# fused kernel in a batch differed by 7e-6 in fp32, then by 0.1 nats at the next token once
+# rounded). Prefill on the many-row integer tiles runs at about the sgemm's speed on the
+# dequantised weight. INFERD_INT8_ACTIVATIONS=1/0 forces them on/off; by default (None) they are on
+# where the kernels have those tiles (AVX512-VNNI): elsewhere prefill would run on the one-row
+# kernel, ~2x slower.
 _ENV_INT8 = os.environ.get("INFERD_INT8_ACTIVATIONS")
 INT8_ACTIVATIONS: bool | None = None if _ENV_INT8 in (None, "") else _ENV_INT8 != "0"
 
