@@ -15,7 +15,7 @@ from inferd.config import SpeculativeConfig
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.ngram import lookup
-from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens
+from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens, probe_interval
 
 KV = 1 << 20
 
@@ -219,6 +219,21 @@ def test_policy_depth_follows_acceptance_and_cost():
     assert policy.depths(seqs[:1], batch_size=1)[0] < 4
     short = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=2))
     assert policy.depths([short], batch_size=1) == [1]  # never more than max_tokens allows
+
+
+def test_policy_probes_less_as_verification_costs_more():
+    assert probe_interval(0.0) == 8 and probe_interval(0.7) == 27 and probe_interval(1.0) == 0
+    # A sequence whose drafts failed sits at k = 0 and probes one draft every probe_interval steps.
+    for cost, every in ((0.1, 9), (0.7, 27), (1.2, 0)):
+        policy = SpecPolicy(4, disable_by_batch_size=None, verify_cost={1: cost})
+        seq = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=1000))
+        policy.depths([seq], batch_size=1)  # its state starts at the prior
+        seq.spec_state.steps_off = 0
+        for _ in range(10):
+            policy.record(seq, 4, 0)
+        ks = [policy.depths([seq], batch_size=1)[0] for _ in range(60)]
+        probes = [i + 1 for i, k in enumerate(ks) if k]
+        assert probes == list(range(every, 61, every)) if every else probes == [], (cost, probes)
 
 
 @pytest.mark.parametrize("value, message", [
