@@ -222,18 +222,24 @@ class ServerMetrics:
             self.prefix_cache_hits,
         ):
             metric.labels(model_name)
+        # The children on_step touches every step, looked up once (labels() takes a lock and a
+        # dict lookup; on_step runs on the event loop, which shares the GIL with the engine).
+        self._step_children = tuple(
+            metric.labels(model_name)
+            for metric in (self.prompt_tokens, self.generation_tokens, self.queue_time, self.ttft, self.itl)
+        )
 
     def on_step(self, report: StepReport) -> None:
         m = self.model_name
+        prompt_tokens, generation_tokens, queue_time, ttft, itl = self._step_children
         if report.num_prompt_tokens:
-            self.prompt_tokens.labels(m).inc(report.num_prompt_tokens)
+            prompt_tokens.inc(report.num_prompt_tokens)
         if report.num_generation_tokens:
-            self.generation_tokens.labels(m).inc(report.num_generation_tokens)
+            generation_tokens.inc(report.num_generation_tokens)
         for value in report.queue_times:
-            self.queue_time.labels(m).observe(value)
+            queue_time.observe(value)
         for value in report.ttfts:
-            self.ttft.labels(m).observe(value)
-        itl = self.itl.labels(m)
+            ttft.observe(value)
         for value in report.inter_token_latencies:
             itl.observe(value)
         for done in report.finished:
