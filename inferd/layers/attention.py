@@ -1,9 +1,12 @@
 """Paged attention over a ragged batch: new K/V go into the block pool through a slot mapping,
 attention reads every sequence's context back through its block table.
 
-Two shapes cover every scheduler choice:
-- a padded group: sequences with short queries (decodes, q_len == 1, and short prefill chunks) run
-  as ONE attention call: queries padded to [B, Hq, Qmax, D], keys gathered from their blocks to
+Three shapes cover every scheduler choice, each sequence's by its own query length only (with int8
+activations, a path that depended on the rest of the step would make its tokens depend on it too):
+- the kernel group: decodes and speculative verification (<= 9 query rows, the model runner's
+  KERNEL_MAX_QUERY) go to the C++ paged kernel, which reads K/V in place, one sequence per task;
+- a padded group: other short queries (short prompts and prefill chunks; every short query where
+  the kernel cannot be built) run as ONE attention call: queries padded to [B, Hq, Qmax, D], keys gathered from their blocks to
   [B, Hkv, L, D], one mask [B, 1, Qmax, L] that is causal, shifted by each sequence's context, and
   cut at its length. Per-sequence Python work would otherwise dominate steps of many short prompts.
 - long prefill chunks run one sequence at a time (padding them would waste more than it saves):
