@@ -43,11 +43,19 @@ def cpu_flags() -> str:
 
 
 def _source_text(path: Path) -> bytes:
-    """The source and the local headers it includes (one level, the csrc convention)."""
-    text = path.read_bytes()
-    for inc in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
-        text += (path.parent / inc.decode()).read_bytes()
-    return text
+    """The source and every local header it includes, recursively (the csrc convention)."""
+    seen: set[Path] = set()
+
+    def text_of(p: Path) -> bytes:
+        if p in seen:
+            return b""
+        seen.add(p)
+        text = p.read_bytes()
+        for inc in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
+            text += text_of(p.parent / inc.decode())
+        return text
+
+    return text_of(path)
 
 
 def build_dir(name: str, source: str, cflags: list[str] = CFLAGS) -> Path:

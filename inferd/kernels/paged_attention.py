@@ -1,13 +1,12 @@
-"""The C++ paged attention for short queries (csrc/paged_attention.cpp), built on first use."""
+"""The C++ paged attention for short queries (csrc/paged_attention.h): part of the CPU kernels'
+extension (inferd/kernels/quant_gemm.py), built on first use."""
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
-from inferd.kernels.build import load_extension
+from inferd.kernels import quant_gemm
 
 
-@functools.cache
 def extension() -> ModuleType | None:
-    return load_extension("paged_attention", "paged_attention.cpp", "the paged attention CPU kernel")
+    return quant_gemm.extension()

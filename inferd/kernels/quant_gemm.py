@@ -1,4 +1,5 @@
-"""The fused dequantise-dot CPU kernels (csrc/quant_gemm.cpp), built on first use (see build.py).
+"""inferd's CPU kernels (csrc/cpu_kernels.cpp: quantized matmuls, paged attention, the decode
+step's decoder layers), built on first use (see build.py).
 
 Where they cannot be built (no compiler, not x86 with AVX2/FMA), `extension()` returns None after
 one line on stderr and callers use the PyTorch fallback.
@@ -15,7 +16,7 @@ from inferd.kernels.build import load_extension
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernels, or None (with one line on stderr saying why) when unavailable."""
-    return load_extension("quant_gemm", "quant_gemm.cpp", "the quantized CPU kernels")
+    return load_extension("cpu_kernels", "cpu_kernels.cpp", "the CPU kernels")
 
 
 @functools.cache
@@ -23,8 +24,8 @@ def extension_avx2() -> ModuleType | None:
     """The same kernels built without AVX-512 (the AVX2 `maddubs` integer path): what a CPU
     without AVX512-VNNI runs; the tests check it here too."""
     return load_extension(
-        "quant_gemm_avx2",
-        "quant_gemm.cpp",
-        "the AVX2-only quantized CPU kernels",
+        "cpu_kernels_avx2",
+        "cpu_kernels.cpp",
+        "the AVX2-only CPU kernels",
         ("-mno-avx512f",),
     )

@@ -30,7 +30,7 @@ class KVFormat:
     name: str  # "int8" | "fp8_e4m3" | "fp8_e5m2"
     code_dtype: torch.dtype
     qmax: float  # largest finite code: a head vector's max |value| maps to it
-    kernel_code: int  # the format's number in csrc/paged_attention.cpp
+    kernel_code: int  # the format's number in csrc/paged_attention.h
 
 
 _FORMATS = {

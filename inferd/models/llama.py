@@ -4,6 +4,11 @@ The per-layer code calls submodules' `forward` directly and splits with `split_w
 hooks are ever registered here, and `nn.Module.__call__`'s hook checks plus `Tensor.split`'s Python
 wrapper cost ~1.3 ms per decoded token at batch 1 (30 layers × 9 submodule calls and 3 splits;
 py-spy).
+
+A step whose every query row goes to the C++ paged attention kernel (decodes, speculative
+verification) over an fp32 KV cache runs all layers in one call instead
+(csrc/decoder_layers.h): the same kernels in the same order, so the same bits, without ~25
+Python-level calls per layer.
 """
 
 from __future__ import annotations
@@ -18,8 +23,20 @@ from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from inferd.quantization import formats
 from inferd.quantization.formats import QuantizedWeight
 from inferd.quantization.policy import linear_weight
+
+# Off: every step runs the Python layer loop (the tests compare the two paths).
+FUSED_DECODE = True
+_LINEAR_KINDS = {"int8": 1, "int4": 2, "fp8": 3}  # decoder::LinearWeights::Kind; 0 is fp32
+
+
+def _linear_weights(ext, module: nn.Module):
+    if isinstance(module, QuantizedLinear):
+        w = module.qweight
+        return ext.LinearWeights(_LINEAR_KINDS[w.format], w.data, w.scales, w.mins, module.bias, w.group)
+    return ext.LinearWeights(0, module.weight, None, None, module.bias, 0)
 
 
 class LlamaAttention(nn.Module):
@@ -89,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Set by `set_rotary` once the weights (and GGUF's rope_freqs, if any) are known.
         self.rotary: RotaryEmbedding | None = None
+        self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -108,9 +126,33 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        kg = meta.kernel_group
+        if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
+                and x.dtype == torch.float32 and type(kv_caches[0][0]) is torch.Tensor):  # fmt: skip
+            return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, rope, kv, meta)
         return self.norm(x)
+
+    def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer in one C++ call (csrc/decoder_layers.h) for a kernel-group-only step."""
+        if self._fused_layers is None:
+            self._fused_layers = [
+                ext.LayerWeights(
+                    l.input_layernorm.weight, l.post_attention_layernorm.weight,
+                    _linear_weights(ext, l.self_attn.qkv_proj), _linear_weights(ext, l.self_attn.o_proj),
+                    _linear_weights(ext, l.mlp.gate_up_proj), _linear_weights(ext, l.mlp.down_proj),
+                )
+                for l in self.layers
+            ]  # fmt: skip
+        cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
+        int8 = formats.INT8_ACTIVATIONS
+        shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                 cfg.rms_norm_eps, attn.scale, ext.has_int8_gemm if int8 is None else int8)  # fmt: skip
+        return ext.decode_layers(
+            x, self._fused_layers, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], rope[0],
+            rope[1], meta.slot_mapping, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape,
+        )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that sample: [B, vocab]."""
@@ -124,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them; linear
         layers whose weight `--quantization` keeps quantized become `QuantizedLinear`s."""
+        self._fused_layers = None
         own = dict(self.named_parameters(remove_duplicate=False))
         used: set[str] = set()
 

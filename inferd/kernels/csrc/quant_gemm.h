@@ -16,6 +16,8 @@
 // - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
 //   fp32 buffer (L2-resident), then a 4x3 register-blocked fp32 micro-kernel runs every input row
 //   against it. The weight is dequantised once per call, never once per input row.
+#pragma once
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,6 +28,7 @@
 
 #include "int8_dot.h"
 
+namespace quant_gemm {
 namespace {
 
 inline float hsum(__m256 v) {
@@ -343,19 +346,4 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // int8_x: quantize x to int8 per 32-block and use integer dot products (int8_dot.h).
-  m.def("q8_linear", &q8_linear, "x[M,K] · dequant(int8 blocks)^T", py::arg("x"), py::arg("q"),
-        py::arg("scale"), py::arg("group"), py::arg("int8_x") = false);
-  m.def("q4_linear", &q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T", py::arg("x"),
-        py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"), py::arg("int8_x") = false);
-  // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
-  m.def("fp8_linear", &fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
-  // Whether many-row calls have integer tiles (AVX512-VNNI): without, int8 activations make
-  // prefill ~2x slower, so they are not the default there.
-#ifdef INT8DOT_ZMM
-  m.attr("has_int8_gemm") = true;
-#else
-  m.attr("has_int8_gemm") = false;
-#endif
-}
+}  // namespace quant_gemm

@@ -5,6 +5,8 @@
 // of the sequence's q_len queries are scored against each key as it is read, so K and V are read
 // once per task. Two passes (scores, then weighted V) with an exact softmax in fp32. A quantized
 // cache (int8 / fp8 codes with a scale per slot and head) is decoded a row at a time as it is read.
+#pragma once
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+namespace paged_attn {
 namespace {
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -181,8 +184,4 @@ void paged_attention_short_quant(torch::Tensor q, torch::Tensor k_data, torch::T
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_short", &paged_attention_short, "paged attention for short queries (CPU, fp32)");
-  m.def("paged_attention_short_quant", &paged_attention_short_quant,
-        "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)");
-}
+}  // namespace paged_attn

@@ -1,0 +1,56 @@
+// inferd's CPU kernels in one extension: the quantized matmuls (quant_gemm.h, int8_dot.h), paged
+// attention for short queries (paged_attention.h) and the decode step's decoder layers
+// (decoder_layers.h), which call the other two directly. One build for all three: the layers'
+// bits must equal what the Python path gets from the same kernels, so both use one compiled copy.
+#include <torch/extension.h>
+
+#include "decoder_layers.h"
+#include "paged_attention.h"
+#include "quant_gemm.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // int8_x: quantize x to int8 per 32-block and use integer dot products (int8_dot.h).
+  m.def("q8_linear", &quant_gemm::q8_linear, "x[M,K] · dequant(int8 blocks)^T", py::arg("x"),
+        py::arg("q"), py::arg("scale"), py::arg("group"), py::arg("int8_x") = false);
+  m.def("q4_linear", &quant_gemm::q4_linear, "x[M,K] · dequant(int4 blocks with scale and min)^T",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
+        py::arg("int8_x") = false);
+  // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
+  m.def("fp8_linear", &quant_gemm::fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
+  // Whether many-row calls have integer tiles (AVX512-VNNI): without, int8 activations make
+  // prefill ~2x slower, so they are not the default there.
+#ifdef INT8DOT_ZMM
+  m.attr("has_int8_gemm") = true;
+#else
+  m.attr("has_int8_gemm") = false;
+#endif
+
+  m.def("paged_attention_short", &paged_attn::paged_attention_short,
+        "paged attention for short queries (CPU, fp32)");
+  m.def("paged_attention_short_quant", &paged_attn::paged_attention_short_quant,
+        "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)");
+
+  // module_local: the AVX2-only build of this file is loaded beside it (the tests run both).
+  using decoder::LayerWeights;
+  using decoder::LinearWeights;
+  using decoder::Shape;
+  py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
+      .def(py::init([](int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t group) {
+             return LinearWeights{kind, weight, scales.value_or(torch::Tensor()),
+                                  mins.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), group};
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
+           py::arg("group"));
+  py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
+      .def(py::init<torch::Tensor, torch::Tensor, LinearWeights, LinearWeights, LinearWeights, LinearWeights>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<Shape>(m, "DecoderShape", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, bool>(), py::arg("n_heads"),
+           py::arg("n_kv"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+           py::arg("scale"), py::arg("int8_activations"));
+  // The GIL is released for the whole step: a server's event loop streams meanwhile.
+  m.def("decode_layers", &decoder::decode_layers, "every decoder layer of a kernel-group step",
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,115 @@
+// Every decoder layer of a decode step in one call: the Llama layer of inferd/models/llama.py,
+// op for op, for steps whose every query row goes to the paged attention kernel (decodes and
+// speculative verification) over an fp32 KV cache.
+//
+// Why: at batch 1 the Python layer loop issued ~25 ATen calls per layer, 30 layers, ~6 ms of a
+// ~20 ms int4 decode step (py-spy); from C++ each call skips the Python binding and argument
+// parsing, and the GIL is released for the whole step (the server's event loop runs meanwhile).
+// Why op for op: the same ATen kernels and quantized kernels in the same order give the same bits
+// as the Python path, so a sequence's logits never depend on which path its step took (a step
+// mixing prefills with decodes runs the Python layers). tests/test_decoder_layers.py checks it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "paged_attention.h"
+#include "quant_gemm.h"
+
+namespace decoder {
+
+// One linear layer as the model holds it: `Linear` (fp32 weight, F.linear) or `QuantizedLinear`
+// (packed weight; inferd/quantization/formats.py `quantized_matmul` decides the kernel).
+struct LinearWeights {
+  enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3 };
+  int64_t kind;
+  torch::Tensor weight;  // fp32 [N, K] or the packed data
+  torch::Tensor scales, mins, bias;  // undefined where absent
+  int64_t group;
+};
+
+struct LayerWeights {
+  torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
+  LinearWeights qkv, o, gate_up, down;
+};
+
+struct Shape {
+  int64_t n_heads, n_kv, head_dim, intermediate;
+  double eps, scale;
+  bool int8_activations;  // formats.INT8_ACTIVATIONS as resolved for this extension
+};
+
+// quantized_matmul's dispatch for a 2-D contiguous fp32 x: the dequantise-once BLAS path from
+// DEQUANT_GEMM_MIN_ROWS rows where int8 activations do not apply.
+constexpr int64_t kDequantGemmMinRows = 32;
+
+inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor& x, bool int8_x) {
+  switch (l.kind) {
+    case LinearWeights::kInt8: return quant_gemm::q8_linear(x, l.weight, l.scales, l.group, int8_x);
+    case LinearWeights::kInt4: return quant_gemm::q4_linear(x, l.weight, l.scales, l.mins, l.group, int8_x);
+    default: return quant_gemm::fp8_linear(x, l.weight, l.scales, l.group);
+  }
+}
+
+inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, const Shape& s) {
+  if (l.kind == LinearWeights::kFloat) return at::linear(x, l.weight, l.bias);
+  torch::Tensor y;
+  if (s.int8_activations && l.kind != LinearWeights::kFp8)
+    y = quantized_call(l, x, true);
+  else if (x.size(0) >= kDequantGemmMinRows)
+    y = at::linear(x, quantized_call(l, x.narrow(0, 0, 0), false));
+  else
+    y = quantized_call(l, x, false);
+  return l.bias.defined() ? y + l.bias : y;
+}
+
+// RMSNorm.forward's CPU fp32 composite (inferd/layers/norm.py).
+inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  torch::Tensor v = (x * x).mean(-1, /*keepdim=*/true);
+  return (x * v.add_(eps).rsqrt_()).mul_(w);
+}
+
+// apply_rotary (inferd/layers/rotary.py) on x [T, H, D] with the step's [T, 1, D] tables.
+inline torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
+  torch::Tensor swapped = x.view({t, h, 2, d / 2}).flip(-2).view({t, h, d});
+  return at::mul(x, cos).add_(swapped.mul_(sin));
+}
+
+// x [T, hidden] through every layer; the attention metadata is the step's kernel group.
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
+                            const std::vector<torch::Tensor>& k_caches,
+                            const std::vector<torch::Tensor>& v_caches, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                            const torch::Tensor& row_start, const torch::Tensor& q_lens,
+                            const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
+                            const Shape& s) {
+  TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
+              "decode_layers: one K and one V cache per layer");
+  const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerWeights& l = layers[i];
+    // LlamaAttention.forward
+    torch::Tensor qkv = linear(l.qkv, rms_norm(x, l.input_norm, s.eps), s);
+    std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
+    torch::Tensor qk = rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
+    std::vector<torch::Tensor> q_k = qk.split_with_sizes({s.n_heads, s.n_kv}, 1);
+    torch::Tensor v = parts[1].view({t, s.n_kv, s.head_dim});
+    // paged_attention (inferd/layers/attention.py), kernel group only
+    k_caches[i].view({-1, s.n_kv, s.head_dim}).index_copy_(0, slot_mapping, q_k[1]);
+    v_caches[i].view({-1, s.n_kv, s.head_dim}).index_copy_(0, slot_mapping, v);
+    torch::Tensor q = q_k[0].contiguous();
+    torch::Tensor o = torch::empty_like(q);
+    paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
+                                      block_tables, o, s.scale);
+    x = x + linear(l.o, o.reshape({t, q_size}), s);
+    // LlamaMLP.forward
+    std::vector<torch::Tensor> gu =
+        linear(l.gate_up, rms_norm(x, l.post_norm, s.eps), s).split_with_sizes({s.intermediate, s.intermediate}, -1);
+    x = x + linear(l.down, at::silu(gu[0]).mul_(gu[1]), s);
+  }
+  return x;
+}
+
+}  // namespace decoder

@@ -1,0 +1,71 @@
+"""The fused decode step (csrc/decoder_layers.h: every layer in one C++ call for steps whose rows
+all go to the paged attention kernel) gives the Python layer loop's bits: same tokens, same
+logprobs, whatever the weights' format, biases, activation precision or batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.kernels.quant_gemm import extension
+from inferd.models import llama
+from inferd.quantization.formats import int8_activations
+
+pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels cannot be built here")
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "A paged KV cache stores keys and values in fixed-size blocks",
+    "def forward(self, x):\n    return self.proj(x) + 1  # residual\ndef forward(self, x):",
+]
+
+
+def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: bool) -> tuple[list, int]:
+    """Greedy outputs (tokens and top-2 logprobs) and how many steps took the fused path."""
+    monkeypatch.setattr(llama, "FUSED_DECODE", fused)
+    calls = [0]
+    real = llama.LlamaForCausalLM._decode_layers
+
+    def counted(self, *args):
+        calls[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_layers", counted)
+    config = {"method": "ngram", "num_speculative_tokens": 3} if spec else None
+    llm = LLM(str(path), quantization=quantization, verbose=False, kv_cache_memory=4 << 20,
+              speculative_config=config)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
+
+
+@pytest.mark.parametrize(
+    "name,quantization",
+    [
+        ("llama-f32.gguf", "none"),  # fp32 weights: F.linear
+        ("qwen2-f32.gguf", "none"),  # q/k/v biases
+        ("qwen2-f32.gguf", "int4"),  # biases after a quantized matmul
+        ("llama-f32.gguf", "int8"),
+        ("llama-f32.gguf", "fp8"),
+        ("llama-mixed.gguf", "auto"),  # GGUF's own Q4_1/Q8_0 blocks, fp16 scales
+    ],
+)
+def test_fused_decode_gives_the_python_layers_bits(tiny_models, monkeypatch, name, quantization):
+    path = tiny_models[name].path
+    want, python_calls = _generate(path, quantization, False, monkeypatch, PROMPTS, spec=True)
+    got, fused_calls = _generate(path, quantization, True, monkeypatch, PROMPTS, spec=True)
+    assert python_calls == 0 and fused_calls > 0
+    assert got == want
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_decode_at_every_batch_size_and_activation_precision(tiny_models, monkeypatch, int8):
+    """34 sequences decoding together cross quantized_matmul's 32-row switch to dequantise-once
+    sgemm (fp32 activations); int8 activations take the integer tiles from 4 rows."""
+    path = tiny_models["llama-f32.gguf"].path
+    prompts = [f"{i} {PROMPTS[i % 3]}" for i in range(34)]
+    with int8_activations(int8):
+        want, _ = _generate(path, "int4", False, monkeypatch, prompts, spec=False)
+        got, fused_calls = _generate(path, "int4", True, monkeypatch, prompts, spec=False)
+    assert fused_calls > 0
+    assert got == want
