@@ -350,6 +350,8 @@ void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0,
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
       for (int j = 0; j < kTileN; ++j) {
+        // gemv's prefetch distance: without it the Q8_0 head streamed at ~6 GB/s at 4-9 rows.
+        if (n0 + kPrefetchRows + j < N) prefetch_row(f.row(n0 + kPrefetchRows + j), f.row_bytes());
         expand_blocks(f.scales, n0 + j, f.groups_per_row, f.blocks_per_group, nb, scales.data() + j * nb);
         if (f.mins) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
       }
