@@ -76,16 +76,29 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = kv.block_size
-        storage = KVCache.storage_dtype(kv_cache_dtype, dtype)  # --kv-cache-dtype: inferd/kv/kv_cache.py
-        self.kv_cache = KVCache(allocate_kv_cache(cfg, kv.pool.num_blocks, kv.block_size, storage, device),
-                                kv_cache_dtype)  # fmt: skip
-        self.kv_caches = self.kv_cache.layers()
+        self.kv_cache_dtype = kv_cache_dtype
+        self._allocate_kv()
         # The C++ kernel reads K/V in place (fp32 on the CPU); elsewhere gather + SDPA.
         self.attention_kernel = None
         if use_attention_kernel and device.type == "cpu" and dtype == torch.float32:
             from inferd.kernels.paged_attention import extension
 
             self.attention_kernel = extension()
+
+    def _allocate_kv(self) -> None:
+        storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py
+        data = allocate_kv_cache(self.cfg, self.kv.pool.num_blocks, self.block_size, storage, self.device)
+        self.kv_cache = KVCache(data, self.kv_cache_dtype)
+        self.kv_caches = self.kv_cache.layers()
+
+    def release_kv_pages(self) -> None:
+        """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it)
+        while no block is in use: start-up calibration writes through most of the pool, and an
+        engine whose pool it touched ran 32 concurrent decodes ~6% slower than one that started
+        untouched (5.88 vs 5.59 s; 5.58 s with the pool replaced after calibrating)."""
+        assert self.kv.pool.num_available == self.kv.pool.num_blocks, "KV blocks still in use"
+        self.kv_cache = self.kv_caches = None  # drop the old pool before mapping the new one
+        self._allocate_kv()
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -58,6 +58,7 @@ def measure_verify_cost(runner: ModelRunner, k: int, max_batch: int, vocab_size:
     finally:
         for s in seqs:
             kv.free(s.seq_id)
+        runner.release_kv_pages()
     logger.info("speculation: verification cost per draft token by batch size: %s",
                 ", ".join(f"{b}: {c:.2f}" for b, c in costs.items()))  # fmt: skip
     return costs
