@@ -87,6 +87,10 @@ def _case(seed, hq, hkv, d, bs, shapes: list[tuple[int, int]], shared=0, dtype=t
         (4, 4, 32, 8, [(3, 3), (1, 9), (5, 21), (2, 16)]),  # MHA, short chunks with context
         (8, 2, 16, 4, [(7, 7)]),  # one short prompt, GQA 4
         (6, 1, 8, 1, [(2, 5), (1, 1), (4, 4)]),  # MQA, block size 1
+        # Contexts split in pieces of 256 keys and merged: a verification whose first row sees
+        # nothing of the last piece (2, 257), rows ending in different pieces (9, 300), exact
+        # multiples (1, 256), several pieces (1, 600).
+        (9, 3, 64, 16, [(1, 600), (4, 513), (9, 300), (1, 256), (2, 257)]),
     ],
 )
 def test_kernel_matches_sdpa(hq, hkv, d, bs, shapes):
