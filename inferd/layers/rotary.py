@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from inferd.kernels.quant_gemm import extension as cpu_kernels
+
 
 def rope_inv_freq(
     head_dim: int,
@@ -60,6 +62,10 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (half-split layout: [x1, x2] → [x1·c - x2·s, x2·c + x1·s]) with the
     full-width tables of `RotaryEmbedding`; q and k heads can go through in one call."""
+    if x.dtype == torch.float32 and x.is_cpu and x.dim() == 3 and x.stride(2) == 1:
+        ext = cpu_kernels()
+        if ext is not None:  # one loop in C++ (csrc/layer_ops.h), as the fused decode step runs it
+            return ext.rotary(x, cos, sin)
     *lead, d = x.shape
     xf = x.float()  # no copy when x is fp32
     # swap_halves as one flip of a [.., 2, D/2] view: a fresh tensor, so the products can be taken

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferd.config import ModelConfig
+from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.layers.attention import AttentionMetadata, paged_attention
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
@@ -77,7 +78,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split_with_sizes([self.inter, self.inter], -1)
+        gu = self.gate_up_proj.forward(x)
+        if gu.is_cpu and gu.dtype == torch.float32 and gu.dim() == 2:
+            ext = cpu_kernels()
+            if ext is not None:  # one loop in C++ (csrc/layer_ops.h), as the fused decode step runs it
+                return self.down_proj.forward(ext.silu_mul(gu))
+        gate, up = gu.split_with_sizes([self.inter, self.inter], -1)
         return self.down_proj.forward(F.silu(gate).mul_(up))  # silu's output is fresh: in place
 
 

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "decoder_layers.h"
+#include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
 
@@ -31,6 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)");
 
   // module_local: the AVX2-only build of this file is loaded beside it (the tests run both).
+  // The layers' elementwise ops on fp32 CPU rows (layer_ops.h): the Python layers call them too.
+  m.def("rms_norm", &layer_ops::rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
+  m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
+  m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
+
   using decoder::LayerWeights;
   using decoder::LinearWeights;
   using decoder::Shape;

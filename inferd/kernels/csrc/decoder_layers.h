@@ -5,15 +5,17 @@
 // Why: at batch 1 the Python layer loop issued ~25 ATen calls per layer, 30 layers, ~6 ms of a
 // ~20 ms int4 decode step (py-spy); from C++ each call skips the Python binding and argument
 // parsing, and the GIL is released for the whole step (the server's event loop runs meanwhile).
-// Why op for op: the same ATen kernels and quantized kernels in the same order give the same bits
-// as the Python path, so a sequence's logits never depend on which path its step took (a step
-// mixing prefills with decodes runs the Python layers). tests/test_decoder_layers.py checks it.
+// Why op for op: the same kernels in the same order (the quantized matmuls, paged attention, the
+// elementwise loops of layer_ops.h, ATen's for the rest) give the same bits as the Python path, so
+// a sequence's logits never depend on which path its step took (a step mixing prefills with
+// decodes runs the Python layers). tests/test_decoder_layers.py checks it.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <vector>
 
+#include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
 
@@ -64,19 +66,6 @@ inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, cons
   return l.bias.defined() ? y + l.bias : y;
 }
 
-// RMSNorm.forward's CPU fp32 composite (inferd/layers/norm.py).
-inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  torch::Tensor v = (x * x).mean(-1, /*keepdim=*/true);
-  return (x * v.add_(eps).rsqrt_()).mul_(w);
-}
-
-// apply_rotary (inferd/layers/rotary.py) on x [T, H, D] with the step's [T, 1, D] tables.
-inline torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
-  torch::Tensor swapped = x.view({t, h, 2, d / 2}).flip(-2).view({t, h, d});
-  return at::mul(x, cos).add_(swapped.mul_(sin));
-}
-
 // x [T, hidden] through every layer; the attention metadata is the step's kernel group.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<torch::Tensor>& k_caches,
@@ -91,9 +80,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
     // LlamaAttention.forward
-    torch::Tensor qkv = linear(l.qkv, rms_norm(x, l.input_norm, s.eps), s);
+    torch::Tensor qkv = linear(l.qkv, layer_ops::rms_norm(x, l.input_norm, s.eps), s);
     std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
-    torch::Tensor qk = rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
+    torch::Tensor qk = layer_ops::rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
     std::vector<torch::Tensor> q_k = qk.split_with_sizes({s.n_heads, s.n_kv}, 1);
     torch::Tensor v = parts[1].view({t, s.n_kv, s.head_dim});
     // paged_attention (inferd/layers/attention.py), kernel group only
@@ -105,9 +94,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                                       block_tables, o, s.scale);
     x = x + linear(l.o, o.reshape({t, q_size}), s);
     // LlamaMLP.forward
-    std::vector<torch::Tensor> gu =
-        linear(l.gate_up, rms_norm(x, l.post_norm, s.eps), s).split_with_sizes({s.intermediate, s.intermediate}, -1);
-    x = x + linear(l.down, at::silu(gu[0]).mul_(gu[1]), s);
+    torch::Tensor gu = linear(l.gate_up, layer_ops::rms_norm(x, l.post_norm, s.eps), s);
+    x = x + linear(l.down, layer_ops::silu_mul(gu), s);
   }
   return x;
 }

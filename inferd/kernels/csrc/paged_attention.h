@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "layer_ops.h"
+
 namespace paged_attn {
 namespace {
 
@@ -31,26 +33,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float* y, const float* x, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// exp(x) for x <= 0, 8 at a time (Cephes' expf: round to n = x·log2(e), a degree-6 polynomial of
-// the remainder, times 2^n; within ~2 ulp). glibc's scalar expf was the largest cost of a decode
-// at long context: 9 query heads × every key × 30 layers, ~550k calls per token at 2,048 keys.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));  // below: 2^n would be subnormal; e^x ≈ 0 anyway
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n·ln2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 // s[0, n) := exp(s - max s); returns {max, sum}. n >= 1.
@@ -67,7 +49,7 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
   __m256 vsum = _mm256_setzero_ps();
   j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    const __m256 e = layer_ops::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
     _mm256_storeu_ps(s + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
