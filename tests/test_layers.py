@@ -75,3 +75,14 @@ def test_apply_rotary_equals_reference(dtype, t):
     else:
         assert torch.equal(got, expected)
     assert torch.equal(qk, qkv[:, : 12 * 64].view(t, 12, 64))  # the input is left untouched
+
+
+@needs_kernels
+def test_add_rms_norm_is_the_add_then_the_norm():
+    """The fused decode step adds each residual inside the next norm: the same bits as apart."""
+    torch.manual_seed(3)
+    ext, w = extension(), torch.randn(576)
+    x, delta = torch.randn(5, 576), torch.randn(5, 1152)[:, 100:676]  # a strided delta too
+    total, normed = ext.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, ext.rms_norm(x + delta, w, 1e-5))

@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the AVX2-only build of this file is loaded beside it (the tests run both).
   // The layers' elementwise ops on fp32 CPU rows (layer_ops.h): the Python layers call them too.
   m.def("rms_norm", &layer_ops::rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
+  m.def("add_rms_norm", &layer_ops::add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
 

@@ -77,26 +77,30 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
               "decode_layers: one K and one V cache per layer");
   const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
+  // The residual add of each block is fused with the norm after it (exact adds: the same bits as
+  // LlamaDecoderLayer's `x + ...` followed by the norm).
+  torch::Tensor h = layer_ops::rms_norm(x, layers.empty() ? torch::ones({x.size(1)}) : layers[0].input_norm, s.eps);
+  torch::Tensor pending;  // the last MLP output, not yet added to x
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
+    if (pending.defined()) std::tie(x, h) = layer_ops::add_rms_norm(x, pending, l.input_norm, s.eps);
     // LlamaAttention.forward
-    torch::Tensor qkv = linear(l.qkv, layer_ops::rms_norm(x, l.input_norm, s.eps), s);
+    torch::Tensor qkv = linear(l.qkv, h, s);
     std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
     torch::Tensor qk = layer_ops::rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
     std::vector<torch::Tensor> q_k = qk.split_with_sizes({s.n_heads, s.n_kv}, 1);
-    torch::Tensor v = parts[1].view({t, s.n_kv, s.head_dim});
-    // paged_attention (inferd/layers/attention.py), kernel group only
-    k_caches[i].view({-1, s.n_kv, s.head_dim}).index_copy_(0, slot_mapping, q_k[1]);
-    v_caches[i].view({-1, s.n_kv, s.head_dim}).index_copy_(0, slot_mapping, v);
+    // paged_attention (inferd/layers/attention.py), kernel group only: K/V into their slots.
+    layer_ops::write_rows(k_caches[i], slot_mapping, q_k[1]);
+    layer_ops::write_rows(v_caches[i], slot_mapping, parts[1].view({t, s.n_kv, s.head_dim}));
     torch::Tensor q = q_k[0].contiguous();
     torch::Tensor o = torch::empty_like(q);
     paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
                                       block_tables, o, s.scale);
-    x = x + linear(l.o, o.reshape({t, q_size}), s);
+    std::tie(x, h) = layer_ops::add_rms_norm(x, linear(l.o, o.reshape({t, q_size}), s), l.post_norm, s.eps);
     // LlamaMLP.forward
-    torch::Tensor gu = linear(l.gate_up, layer_ops::rms_norm(x, l.post_norm, s.eps), s);
-    x = x + linear(l.down, layer_ops::silu_mul(gu), s);
+    pending = linear(l.down, layer_ops::silu_mul(linear(l.gate_up, h, s)), s);
   }
+  if (pending.defined()) x = x + pending;
   return x;
 }
 

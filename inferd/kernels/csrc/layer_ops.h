@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 
 namespace layer_ops {
 
@@ -40,7 +42,10 @@ inline float sum_squares(const float* x, int64_t n) {
 }
 
 // y = x / sqrt(mean(x²) + eps) · w, per row of x [T, H] (row stride free, columns contiguous).
-inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+// With `delta`, x + delta first (the residual add: exact, so the same bits as adding apart), and
+// that sum is returned too, in `sum_out`.
+inline torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor* delta,
+                                   torch::Tensor* sum_out, const torch::Tensor& w, double eps) {
   const int64_t t = x.size(0), h = w.numel();
   check_rows(x, h, "rms_norm");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rms_norm: fp32 weight");
@@ -48,17 +53,58 @@ inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, do
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t stride = x.stride(0);
+  int64_t stride = x.stride(0);
+  if (delta != nullptr) {
+    check_rows(*delta, h, "add_rms_norm");
+    TORCH_CHECK(delta->size(0) == t, "add_rms_norm: as many rows as x");
+    *sum_out = torch::empty({t, h}, x.options());
+  }
   const float feps = static_cast<float>(eps), inv_h = 1.0f / static_cast<float>(h);
   at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * stride;
+      if (delta != nullptr) {
+        const float* dr = delta->data_ptr<float>() + r * delta->stride(0);
+        float* sr = sum_out->data_ptr<float>() + r * h;
+        for (int64_t i = 0; i < h; ++i) sr[i] = xr[i] + dr[i];
+        xr = sr;
+      }
       const float scale = 1.0f / std::sqrt(sum_squares(xr, h) * inv_h + feps);
       float* yr = yp + r * h;
       for (int64_t i = 0; i < h; ++i) yr[i] = xr[i] * scale * wp[i];
     }
   });
   return y;
+}
+
+inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return rms_norm_impl(x, nullptr, nullptr, w, eps);
+}
+
+// (x + delta, rms_norm(x + delta)): a layer's residual add fused with the next norm.
+inline std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                             const torch::Tensor& w, double eps) {
+  torch::Tensor sum;
+  torch::Tensor y = rms_norm_impl(x, &delta, &sum, w, eps);
+  return {sum, y};
+}
+
+// cache [N, block_size, H, D] fp32: the rows of `rows` [T, H, D] (each row's H·D values
+// contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch).
+inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
+  const int64_t t = rows.size(0), n = rows.size(1) * rows.size(2);
+  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat32 &&
+                  rows.scalar_type() == torch::kFloat32 && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
+                  slots.scalar_type() == torch::kInt64 && slots.numel() == t,
+              "write_rows: fp32 cache and rows, int64 slots expected");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* cp = cache.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  const int64_t num_slots = cache.numel() / n;
+  for (int64_t r = 0; r < t; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "write_rows: slot out of range");
+    std::memcpy(cp + sp[r] * n, rp + r * rows.stride(0), n * sizeof(float));
+  }
 }
 
 // out [T, H, D] = x · cos + swap_halves(x) · sin for x [T, H, D] (any row and head strides, D
