@@ -230,3 +230,17 @@ def test_int8_activations_default_follows_the_integer_tiles(monkeypatch) -> None
     x = torch.randn(5, 96)
     want = formats.quantized_matmul(x, qw, int8_activations=native.has_int8_gemm)
     assert torch.equal(formats.quantized_matmul(x, qw), want)
+
+
+def test_kernels_build_where_they_can():
+    """On an x86 CPU with AVX2/FMA and a C++ compiler the extension must build: a compile error
+    would otherwise turn every kernel test into a skip and the engine into the slow PyTorch path."""
+    import shutil
+
+    from inferd.kernels.build import cpu_supports_avx2_fma
+    from inferd.kernels.quant_gemm import extension_avx2
+
+    if not cpu_supports_avx2_fma() or shutil.which("c++") is None:
+        pytest.skip("no AVX2/FMA CPU or no C++ compiler here")
+    assert extension() is not None
+    assert extension_avx2() is not None
