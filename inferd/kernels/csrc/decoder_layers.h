@@ -79,7 +79,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
   // The residual add of each block is fused with the norm after it (exact adds: the same bits as
   // LlamaDecoderLayer's `x + ...` followed by the norm).
-  torch::Tensor h = layer_ops::rms_norm(x, layers.empty() ? torch::ones({x.size(1)}) : layers[0].input_norm, s.eps);
+  if (layers.empty()) return x;
+  torch::Tensor h = layer_ops::rms_norm(x, layers[0].input_norm, s.eps);
   torch::Tensor pending;  // the last MLP output, not yet added to x
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
