@@ -234,7 +234,7 @@ struct Q8Fmt {
   static inline Q8Block block(Row r, int64_t b) { return load_q8(r + b * 32); }
 #ifdef INT8DOT_ZMM
   static constexpr bool kSigned = true;
-  // Block b of rows r0 and r1 side by side, as stored (signed): gemm's unpack takes |w| and signs.
+  // Block b of rows r0 and r1 side by side, as stored (signed: tile_rows offsets x instead).
   static inline __m512i pair(Row r0, Row r1, int64_t b) {
     return _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + b * 32))),
@@ -281,10 +281,13 @@ constexpr int kTileN = 4;          // output rows per tile: 2 zmm pairs
 constexpr int64_t kRowChunk = 64;  // activation rows per pass over a tile (int8 rows stay in L1/L2)
 
 // Activation rows [m0, m0 + MR) against one unpacked tile: w[b * 2 + p] the weights of pair p
-// (output rows 2p, 2p + 1 of the tile) for block b, neg its sign mask (signed formats), ws the
-// matching weight scales. out[r * 4 + e]: the dot of row m0 + e with output row r of the tile.
+// (output rows 2p, 2p + 1 of the tile) for block b, ws the matching weight scales. Signed
+// weights meet x + 128 (unsigned, x's sign bit flipped) with the accumulator started at
+// corr = -128 · (the lane's 4 weights summed): Σ (x + 128) w - 128 Σ w = Σ x w, the same int32 as
+// gemv's sign trick, for one xor per activation block instead of a masked negate per pair.
+// out[r * 4 + e]: the dot of row m0 + e with output row r of the tile.
 template <int MR, bool Signed>
-inline void tile_rows(const __m512i* w, const __mmask64* neg, const __m512* ws, const QuantizedRows& x,
+inline void tile_rows(const __m512i* w, const __m512i* corr, const __m512* ws, const QuantizedRows& x,
                       int64_t m0, float out[16]) {
   const int64_t nb = x.nb, K = x.K;
   __m512 acc[MR][2][2];
@@ -295,10 +298,15 @@ inline void tile_rows(const __m512i* w, const __mmask64* neg, const __m512* ws, 
       const __m512i xq = _mm512_broadcast_i64x4(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (m0 + i) * K + b * 32)));
       const __m512 d = _mm512_set1_ps(x.d[(m0 + i) * nb + b]);
+      __m512i xu = xq;
+      if constexpr (Signed) xu = _mm512_xor_si512(xq, _mm512_set1_epi8(static_cast<char>(0x80)));
       for (int p = 0; p < 2; ++p) {
-        __m512i xs = xq;
-        if constexpr (Signed) xs = _mm512_mask_sub_epi8(xq, neg[b * 2 + p], _mm512_setzero_si512(), xq);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[b * 2 + p], xs));
+        __m512i dot_i;
+        if constexpr (Signed)
+          dot_i = _mm512_dpbusd_epi32(corr[b * 2 + p], xu, w[b * 2 + p]);
+        else
+          dot_i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[b * 2 + p], xq);
+        const __m512 dot = _mm512_cvtepi32_ps(dot_i);
         acc[i][p][a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[b * 2 + p], d), acc[i][p][a]);
       }
     }
@@ -336,7 +344,7 @@ template <typename Fmt>
 void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t M = x.M, nb = x.nb;
   std::vector<__m512i> w(nb * 2);
-  std::vector<__mmask64> neg(nb * 2);
+  std::vector<__m512i> corr(Fmt::kSigned ? nb * 2 : 0);
   std::vector<__m512> ws(nb * 2);
   std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
   // The chunk's block sums transposed ([b][row]) and the tile's min terms ([output][row]): the
@@ -360,10 +368,9 @@ void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0,
         const float* s1 = scales.data() + (2 * p + 1) * nb;
         for (int64_t b = 0; b < nb; ++b) {
           __m512i z = Fmt::pair(f.row(n0 + 2 * p), f.row(n0 + 2 * p + 1), b);
-          if constexpr (Fmt::kSigned) {
-            neg[b * 2 + p] = _mm512_movepi8_mask(z);
-            z = _mm512_abs_epi8(z);
-          }
+          if constexpr (Fmt::kSigned)  // -128 · Σ of each lane's 4 weights (tile_rows)
+            corr[b * 2 + p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), z), 7));
           w[b * 2 + p] = z;
           ws[b * 2 + p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0[b]), _mm512_set1_ps(s1[b]));
         }
@@ -387,10 +394,10 @@ void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0,
         const int mr = static_cast<int>(std::min<int64_t>(4, mend - m0));
         alignas(64) float out[16];
         switch (mr) {
-          case 4: tile_rows<4, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
-          case 3: tile_rows<3, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
-          case 2: tile_rows<2, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
-          default: tile_rows<1, Fmt::kSigned>(w.data(), neg.data(), ws.data(), x, m0, out); break;
+          case 4: tile_rows<4, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
+          case 3: tile_rows<3, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
+          case 2: tile_rows<2, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
+          default: tile_rows<1, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
         }
         for (int e = 0; e < mr; ++e)
           for (int r = 0; r < kTileN; ++r) {
