@@ -11,6 +11,7 @@ from inferd.quantization import formats
 from inferd.quantization.perplexity import build_for_mode, perplexity, reference_tokens
 
 TOKENS, WINDOW = 256, 256
+LONG_TOKENS = 2048
 # Bounds of the issue (int8 and fp8 1%, int4 5%). fp8 E4M3 keeps 3 mantissa bits; with each
 # group's scale searched for the least rounding error (fp8_scales.py) it measures +0.1% over 20k
 # tokens (README), +1.4% with plain absmax scales.
@@ -51,12 +52,22 @@ def test_quantized_kv_perplexity_within_bounds(setup, kv_cache_dtype: str) -> No
     assert abs(ppl / base - 1) <= KV_BOUNDS[kv_cache_dtype], (kv_cache_dtype, ppl, base)
 
 
+@pytest.fixture(scope="module")
+def setup_long(setup):
+    """2,048 tokens: int8 activations move a 256-token slice's perplexity by up to ~1% either way
+    when only the fp32 summation order of the kernels changes (their rounding to int8 amplifies a
+    1e-6 difference), so their bound needs the longer text."""
+    loaded = setup[0]
+    ids = reference_tokens(loaded, LONG_TOKENS)
+    return loaded, ids, perplexity(build_for_mode(loaded, "none", max_positions=WINDOW + 1), ids, WINDOW)
+
+
 @pytest.mark.parametrize("mode", ["auto", "int8", "int4"])
-def test_int8_activations_perplexity_within_bounds(setup, mode: str) -> None:
+def test_int8_activations_perplexity_within_bounds(setup_long, mode: str) -> None:
     """The engine's default numerics (x rounded to int8 per 32-block, as llama.cpp) on top of the
-    weights' error: within 1% of fp32 (measured on 2,048 tokens: auto +0.30%, int4 +0.48% over
-    fp32 activations)."""
-    loaded, ids, base = setup
+    weights' error: within 1% of fp32 (measured on these 2,048 tokens: auto +0.53%, int4 +0.52%,
+    int8 +0.35%)."""
+    loaded, ids, base = setup_long
     model = build_for_mode(loaded, mode, max_positions=WINDOW + 1)
     with formats.int8_activations(True):
         ppl = perplexity(model, ids, WINDOW)

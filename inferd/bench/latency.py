@@ -22,6 +22,7 @@ from inferd.bench.roofline import (
     StepCost,
     best_of,
     engine_step_cost,
+    matvec_n_for,
     measure_roofline,
 )
 
@@ -99,8 +100,11 @@ def run_latency(args: argparse.Namespace) -> dict:
               max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
               enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
     engine = llm.engine
-    roof = measure_roofline(engine.dtype, budget_s=1.5)
     cost = engine_step_cost(engine)
+    # The matrix-vector ceiling over as many bytes as a step's weights: where they live (a cache
+    # or DRAM) sets how fast they can stream.
+    matvec_n = matvec_n_for(cost.weight_bytes, engine.dtype)
+    roof = measure_roofline(engine.dtype, matvec_n=matvec_n, budget_s=1.5)
     print(f"torch threads {torch.get_num_threads()}; batch {b}, {n_in} prompt tokens, {n_out} new "
           f"tokens, median of {args.runs} runs; ceilings: matrix-vector {roof.matvec_gbps:.1f} GB/s, "
           f"matmul {roof.matmul_gflops:.1f} GFLOP/s; {cost.weight_bytes / 1e6:.1f} MB of weights "
@@ -144,7 +148,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         llama.close()
     # Ceilings measured again after the runs; each is the better of the two: a ceiling caught at a
     # moment when other jobs held the cores would flatter every engine's share of it.
-    roof = best_of(roof, measure_roofline(engine.dtype, budget_s=1.5))
+    roof = best_of(roof, measure_roofline(engine.dtype, matvec_n=matvec_n, budget_s=1.5))
     limits = {
         "bandwidth_limit_tps": round(
             b * roof.matvec_gbps * 1e9 / cost.decode_step([n_in] * b)[0], 1

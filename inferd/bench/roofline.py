@@ -4,7 +4,10 @@ Three ceilings, measured in the model's dtype (gpt-fast style: print what the ha
 to what was achieved):
 - copy bandwidth: `dst.copy_(src)` over buffers far larger than the caches; bytes read + written.
 - matrix-vector weight bandwidth: a [n, n] @ [n] product, weight bytes / time. This is what
-  batch-1 decode does, so it is the bandwidth ceiling decode is judged against.
+  batch-1 decode does, so it is the bandwidth ceiling decode is judged against. The matrix is as
+  large as the weights it stands for (`inferd bench latency` passes the model's bytes per step;
+  alone, twice the last-level cache): a fixed 4096² (64 MB) one sat in a 260 MB L3 and read at
+  ~49 GB/s, while 538 MB of fp32 weights stream from DRAM at ~30.
 - matmul FLOP/s: a square [n, n] @ [n, n] product, 2·n³ / time: the compute ceiling of prefill
   and large-batch decode.
 
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,6 +64,25 @@ def _time_copy(n: int, dtype: torch.dtype, repeats: int, budget_s: float) -> flo
     return _best_seconds(lambda: dst.copy_(src), repeats, budget_s)
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (sysfs), or 32 MiB where the kernel does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def matvec_n_for(nbytes: int, dtype: torch.dtype = torch.float32) -> int:
+    """The n of an [n, n] matrix of at least `nbytes` (and 4096 at least)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return max(4096, math.ceil(math.sqrt(nbytes / elem)))
+
+
 def _time_op(
     op, shape_a: tuple, shape_b: tuple, dtype: torch.dtype, repeats: int, budget_s: float
 ) -> float:
@@ -70,14 +94,16 @@ def _time_op(
 def measure_roofline(
     dtype: torch.dtype = torch.float32,
     copy_mib: int = 256,
-    matvec_n: int = 4096,
+    matvec_n: int | None = None,
     matmul_n: int = 1024,
     repeats: int = 10,
     budget_s: float = 3.0,
 ) -> Roofline:
     """Measure the three ceilings; ~`3 × budget_s` seconds at most (bf16 matmul on CPUs without
-    native bf16 is slow: the budget bounds it)."""
+    native bf16 is slow: the budget bounds it). `matvec_n` None: twice the last-level cache."""
     elem = torch.empty((), dtype=dtype).element_size()
+    if matvec_n is None:
+        matvec_n = matvec_n_for(2 * last_level_cache_bytes(), dtype)
     n_copy = (copy_mib << 20) // elem
     t_copy = _time_copy(n_copy, dtype, repeats, budget_s)
     t_mv = _time_op(torch.mv, (matvec_n, matvec_n), (matvec_n,), dtype, repeats * 5, budget_s)
@@ -209,7 +235,8 @@ def add_roofline_parser(sub) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--copy-mib", type=int, default=256)
-    p.add_argument("--matvec-n", type=int, default=4096)
+    p.add_argument("--matvec-n", type=int, default=None,
+                   help="matrix-vector size (default: twice the last-level cache)")
     p.add_argument("--matmul-n", type=int, default=1024)
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds per measurement at most")
     p.add_argument("--model-limits", action="store_true",

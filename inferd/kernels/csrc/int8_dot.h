@@ -22,15 +22,17 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define INT8DOT_ZMM 1  // gemm() below: two output rows per 512-bit register
+#define INT8DOT_ZMM 1  // gemm() below: 16 output rows per 512-bit register
 #endif
 
 namespace int8dot {
 
-// The activation rows quantized: q [M, K] int8, d and s [M, K / 32] (scale, d · Σ q of the block).
+// The activation rows quantized: q [M, K] int8, d and s [M, K / 32] (scale, d · Σ q of the block),
+// qs [M, K / 32] the integer Σ q (gemm's correction for q8 weights).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> qs;
   int64_t M, K, nb;
 };
 
@@ -78,7 +80,9 @@ inline void quantize_rows_range(const float* x, QuantizedRows& r, int64_t i0, in
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + i * K + b * 32), packed);
       r.d[i * r.nb + b] = d;
       const __m256i qsum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      r.s[i * r.nb + b] = d * static_cast<float>(hsum_i32(qsum));
+      const int32_t sum = hsum_i32(qsum);
+      r.qs[i * r.nb + b] = sum;
+      r.s[i * r.nb + b] = d * static_cast<float>(sum);
     }
 }
 
@@ -87,7 +91,7 @@ inline void quantize_rows_range(const float* x, QuantizedRows& r, int64_t i0, in
 template <typename Parallel>
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Parallel parallel) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)),
-                  std::vector<float>(M * (K / 32)), M, K, K / 32};
+                  std::vector<float>(M * (K / 32)), std::vector<int32_t>(M * (K / 32)), M, K, K / 32};
   parallel(M, [&](int64_t i0, int64_t i1) { quantize_rows_range(x, r, i0, i1); });
   return r;
 }
@@ -120,33 +124,6 @@ inline Q4Block load_q4(const uint8_t* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
   return {_mm256_and_si256(both, _mm256_set1_epi8(0x0F))};
-}
-
-// Rows [m0, m0 + MR) of x against output row n: scale[b] = weight scale · activation scale of
-// block b for row m0 (row i's at scale + i * nb); two accumulators per row hide the FMA latency.
-template <int MR, typename Fmt>
-inline void dot_rows(const typename Fmt::Row w_row, const QuantizedRows& x, int64_t m0,
-                     const float* scale, float out[MR]) {
-  const int64_t nb = x.nb, K = x.K;
-  const int8_t* xq = x.q.data() + m0 * K;
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  // Blocks in pairs with constant accumulator indices (a runtime index would keep acc in memory).
-  auto step = [&](int64_t b, int a) __attribute__((always_inline)) {
-    const auto w = Fmt::block(w_row, b);
-    for (int i = 0; i < MR; ++i) {
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + b * 32));
-      __m256 p = _mm256_cvtepi32_ps(w.dot(q));
-      acc[i][a] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + i * nb + b), acc[i][a]);
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    step(b, 0);
-    step(b + 1, 1);
-  }
-  if (b < nb) step(b, 0);
-  for (int i = 0; i < MR; ++i) out[i] = hadd(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
 // out[b] = the per-group values of output row n expanded to one per 32-block.
@@ -186,37 +163,59 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// y[M, N] for output rows [n0, n1): Fmt has `scales`, `mins` (nullptr for q8), the group layout
-// and `row(n)` / `block(row, b)`. Every row of x meets an output row while its weights are in L1.
+
+// Lane j of the result: the sum of v[j]'s 8 lanes. Integers, so exact in any order.
+inline __m256i hsum8_i32(const __m256i v[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The numbers every kernel here computes for (activation row i, output n), whatever else shares
+// the call: acc = 0, then for each block b in order acc = fma(float(I_b), s_b · d_b, acc), where
+// I_b = Σ_k qw_k q_k is the block's integer dot (exact: |I_b| <= 32 · 128 · 127), s_b the weight
+// scale and d_b the activation scale; then y = acc + the min term (dot_f32, int4 only). The
+// integer sum is exact, so gemv (8 outputs' sums folded by hadds) and gemm (VNNI tiles) may form
+// it however suits them; the fp32 operations that follow are the same ones in the same order.
+// One conversion and one FMA per block, where converting each 4-product lane cost 8 of each.
+
+// y[M, N] for output rows [n0, n1), 8 at a time (a short last group repeats its last row and
+// stores only its own). Fmt has `scales`, `mins` (nullptr for q8), the group layout and
+// `row(n)` / `block(row, b)`.
 template <typename Fmt>
 void gemv(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t M = x.M, nb = x.nb;
-  std::vector<float> ws(nb), wm(nb), scale(4 * nb);
-  for (int64_t n = n0; n < n1; ++n) {
-    expand_blocks(f.scales, n, f.groups_per_row, f.blocks_per_group, nb, ws.data());
-    if (f.mins) expand_blocks(f.mins, n, f.groups_per_row, f.blocks_per_group, nb, wm.data());
-    const typename Fmt::Row w_row = f.row(n);  // pointers hoisted: the block loop stays lean
-    if (n + kPrefetchRows < n1) prefetch_row(f.row(n + kPrefetchRows), f.row_bytes());
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
-      for (int i = 0; i < mr; ++i) {
-        const float* d = x.d.data() + (m0 + i) * nb;
-        int64_t b = 0;
-        for (; b + 8 <= nb; b += 8)
-          _mm256_storeu_ps(scale.data() + i * nb + b,
-                           _mm256_mul_ps(_mm256_loadu_ps(ws.data() + b), _mm256_loadu_ps(d + b)));
-        for (; b < nb; ++b) scale[i * nb + b] = ws[b] * d[b];
+  const int64_t M = x.M, nb = x.nb, K = x.K;
+  std::vector<float> ws(8 * nb), wsT(8 * nb), wm(8 * nb);
+  for (int64_t g = n0; g < n1; g += 8) {
+    const int outs = static_cast<int>(std::min<int64_t>(8, n1 - g));
+    typename Fmt::Row w_row[8];  // pointers hoisted: the block loop stays lean
+    for (int j = 0; j < 8; ++j) {
+      const int64_t n = g + std::min(j, outs - 1);
+      w_row[j] = f.row(n);
+      expand_blocks(f.scales, n, f.groups_per_row, f.blocks_per_group, nb, ws.data() + j * nb);
+      if (f.mins) expand_blocks(f.mins, n, f.groups_per_row, f.blocks_per_group, nb, wm.data() + j * nb);
+      if (n + kPrefetchRows < n1) prefetch_row(f.row(n + kPrefetchRows), f.row_bytes());
+    }
+    for (int64_t b = 0; b < nb; ++b)
+      for (int j = 0; j < 8; ++j) wsT[b * 8 + j] = ws[j * nb + b];
+    for (int64_t i = 0; i < M; ++i) {
+      const int8_t* xq = x.q.data() + i * K;
+      const float* d = x.d.data() + i * nb;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+        __m256i p[8];
+        for (int j = 0; j < 8; ++j) p[j] = Fmt::block(w_row[j], b).dot(xb);
+        const __m256 dot = _mm256_cvtepi32_ps(hsum8_i32(p));
+        acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_loadu_ps(wsT.data() + b * 8), _mm256_set1_ps(d[b])), acc);
       }
-      float out[4];
-      switch (mr) {
-        case 4: dot_rows<4, Fmt>(w_row, x, m0, scale.data(), out); break;
-        case 3: dot_rows<3, Fmt>(w_row, x, m0, scale.data(), out); break;
-        case 2: dot_rows<2, Fmt>(w_row, x, m0, scale.data(), out); break;
-        default: dot_rows<1, Fmt>(w_row, x, m0, scale.data(), out); break;
-      }
-      for (int i = 0; i < mr; ++i) {
-        if (f.mins) out[i] += dot_f32(wm.data(), x.s.data() + (m0 + i) * nb, nb);
-        y[(m0 + i) * N + n] = out[i];
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc);
+      for (int j = 0; j < outs; ++j) {
+        float v = out[j];
+        if (f.mins) v += dot_f32(wm.data() + j * nb, x.s.data() + i * nb, nb);
+        y[i * N + g + j] = v;
       }
     }
   }
@@ -232,15 +231,13 @@ struct Q8Fmt {
   inline Row row(int64_t n) const { return q + n * K; }
   inline int64_t row_bytes() const { return K; }
   static inline Q8Block block(Row r, int64_t b) { return load_q8(r + b * 32); }
-#ifdef INT8DOT_ZMM
   static constexpr bool kSigned = true;
-  // Block b of rows r0 and r1 side by side, as stored (signed: tile_rows offsets x instead).
-  static inline __m512i pair(Row r0, Row r1, int64_t b) {
-    return _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + b * 32))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + b * 32)), 1);
+  // Block b's 32 weights as unsigned bytes, qw + 128 (vpdpbusd's unsigned operand; gemm takes
+  // 128 · Σ q back out).
+  static inline __m256i unsigned_block(Row r, int64_t b) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * 32)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
   }
-#endif
 };
 
 template <typename S>
@@ -253,158 +250,176 @@ struct Q4Fmt {
   inline Row row(int64_t n) const { return q + n * (K / 2); }
   inline int64_t row_bytes() const { return K / 2; }
   static inline Q4Block block(Row r, int64_t b) { return load_q4(r + b * 16); }
-#ifdef INT8DOT_ZMM
   static constexpr bool kSigned = false;
-  // Block b of rows r0 and r1 as 2 x 32 nibbles in weight order (load_q4's, per 256-bit half).
-  static inline __m512i pair(Row r0, Row r1, int64_t b) {
-    const __m256i raw = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + b * 16))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + b * 16)), 1);
-    // 128-bit lanes [r0 lo, r1 lo, r0 hi, r1 hi] → [r0 lo, r0 hi, r1 lo, r1 hi]
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
-    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
-  }
-#endif
+  static inline __m256i unsigned_block(Row r, int64_t b) { return load_q4(r + b * 16).w; }
 };
 
 #ifdef INT8DOT_ZMM
-// ---- gemm: many activation rows (prefill chunks, batched decode), AVX512-VNNI --------------
-// Bit for bit what gemv gives for every (row, output) pair, so that a request's numerics never
-// depend on how many rows share its call: each pair keeps gemv's 8 lanes per block (a block's
-// 8 int32 partial dots, converted, times the fp32 product weight scale · activation scale, FMA'd
-// into the even- or odd-block accumulator), gemv's final reduction and its min term. What changes
-// is only the packing: one zmm holds the same 8 lanes of two output rows, so a block costs one
-// vpdpbusd, one convert, one multiply and one FMA per two pairs instead of per pair, and a tile
-// of 4 output rows is unpacked once for every activation row of a chunk.
-constexpr int kTileN = 4;          // output rows per tile: 2 zmm pairs
-constexpr int64_t kRowChunk = 64;  // activation rows per pass over a tile (int8 rows stay in L1/L2)
+// ---- gemm: tiles of 16 outputs, AVX512-VNNI ------------------------------------------------
+// A weight is rearranged once (pack_tiles, cached by quant_gemm.h) so that register k of block b
+// of a tile holds weights 4k..4k+3 of each of its 16 outputs, one per 32-bit lane. An activation
+// row's 4 bytes, broadcast, then meet all 16 outputs in one vpdpbusd; 8 of them sum the block in
+// int32, and one convert, multiply and FMA finish it: 11 instructions per row per 512
+// multiply-adds, with the tile's registers read straight from memory. q8 weights enter as
+// qw + 128 (unsigned) and the accumulator starts at -128 · Σ q; q4 keeps two registers' nibbles
+// in one (low: k, high: k + 4).
+constexpr int kTileN = 16;    // output rows per tile: one per lane
+constexpr int kTileRows = 8;  // activation rows per register block
 
-// Activation rows [m0, m0 + MR) against one unpacked tile: w[b * 2 + p] the weights of pair p
-// (output rows 2p, 2p + 1 of the tile) for block b, ws the matching weight scales. Signed
-// weights meet x + 128 (unsigned, x's sign bit flipped) with the accumulator started at
-// corr = -128 · (the lane's 4 weights summed): Σ (x + 128) w - 128 Σ w = Σ x w, the same int32 as
-// gemv's sign trick, for one xor per activation block instead of a masked negate per pair.
-// out[r * 4 + e]: the dot of row m0 + e with output row r of the tile.
-template <int MR, bool Signed>
-inline void tile_rows(const __m512i* w, const __m512i* corr, const __m512* ws, const QuantizedRows& x,
-                      int64_t m0, float out[16]) {
-  const int64_t nb = x.nb, K = x.K;
-  __m512 acc[MR][2][2];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < 2; ++p) acc[i][p][0] = acc[i][p][1] = _mm512_setzero_ps();
-  auto step = [&](int64_t b, int a) __attribute__((always_inline)) {
-    for (int i = 0; i < MR; ++i) {
-      const __m512i xq = _mm512_broadcast_i64x4(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (m0 + i) * K + b * 32)));
-      const __m512 d = _mm512_set1_ps(x.d[(m0 + i) * nb + b]);
-      __m512i xu = xq;
-      if constexpr (Signed) xu = _mm512_xor_si512(xq, _mm512_set1_epi8(static_cast<char>(0x80)));
-      for (int p = 0; p < 2; ++p) {
-        __m512i dot_i;
-        if constexpr (Signed)
-          dot_i = _mm512_dpbusd_epi32(corr[b * 2 + p], xu, w[b * 2 + p]);
-        else
-          dot_i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[b * 2 + p], xq);
-        const __m512 dot = _mm512_cvtepi32_ps(dot_i);
-        acc[i][p][a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[b * 2 + p], d), acc[i][p][a]);
-      }
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    step(b, 0);
-    step(b + 1, 1);
+struct PackedTiles {
+  int64_t tiles = 0, nb = 0;
+  bool nibbles = false;      // q4: 4 registers per block, else 8
+  std::vector<__m512i> w;    // [tile][block][4 or 8]
+  std::vector<float> ws;     // [tile][block][16]: the weight scale of each output, per block
+  size_t bytes() const { return w.size() * sizeof(__m512i) + ws.size() * sizeof(float); }
+};
+
+// 8x8 transpose of 32-bit elements within each 256-bit half of z[0..7].
+inline void transpose8_halves(__m512i z[8]) {
+  __m512i t[8], u[8];
+  for (int j = 0; j < 4; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(z[2 * j], z[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(z[2 * j], z[2 * j + 1]);
   }
-  if (b < nb) step(b, 0);
-  // gemv's hadd(acc0 + acc1) for all 16 pairs at once, in its order: lanes j + (j + 4), then
-  // (0 + 2) and (1 + 3), then those two. After the first level, 128-bit lane r of S[i] holds
-  // output r's four partial sums for row i; the next two levels fold rows in, ending with lane r
-  // holding output r for rows 0..3.
-  __m512 S[4];
-  for (int i = 0; i < 4; ++i) {
-    if (i >= MR) {
-      S[i] = _mm512_setzero_ps();
-      continue;
-    }
-    const __m512 A = _mm512_add_ps(acc[i][0][0], acc[i][0][1]), B = _mm512_add_ps(acc[i][1][0], acc[i][1][1]);
-    S[i] = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(A, B, _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then rows 4-7
+    const __m512i* a = t + 4 * h;
+    u[4 * h + 0] = _mm512_unpacklo_epi64(a[0], a[2]);  // elements 0 (128-bit lane 0), 4 (lane 1)
+    u[4 * h + 1] = _mm512_unpackhi_epi64(a[0], a[2]);  // 1, 5
+    u[4 * h + 2] = _mm512_unpacklo_epi64(a[1], a[3]);  // 2, 6
+    u[4 * h + 3] = _mm512_unpackhi_epi64(a[1], a[3]);  // 3, 7
   }
-  const __m512 V = _mm512_add_ps(_mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 W = _mm512_add_ps(_mm512_shuffle_ps(S[2], S[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(S[2], S[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(V, W, _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm512_shuffle_ps(V, W, _MM_SHUFFLE(3, 1, 3, 1))));
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int e = 0; e < 4; ++e) {
+    z[e] = _mm512_permutex2var_epi64(u[e], lo, u[4 + e]);
+    z[e + 4] = _mm512_permutex2var_epi64(u[e], hi, u[4 + e]);
+  }
 }
 
-// y[M, N] for tiles [t0, t1) of kTileN output rows (N's remainder past the last tile: gemv).
-template <typename Fmt>
-void gemm(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
-  const int64_t M = x.M, nb = x.nb;
-  std::vector<__m512i> w(nb * 2);
-  std::vector<__m512i> corr(Fmt::kSigned ? nb * 2 : 0);
-  std::vector<__m512> ws(nb * 2);
-  std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
-  // The chunk's block sums transposed ([b][row]) and the tile's min terms ([output][row]): the
-  // min terms (dot_f32's operations, 16 activation rows per instruction) run over it.
-  std::vector<float> sT(nb * kRowChunk), mt(kTileN * kRowChunk);
-  for (int64_t mc = 0; mc < M; mc += kRowChunk) {
-    const int64_t mend = std::min(M, mc + kRowChunk);
-    if (f.mins)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t i = 0; i < kRowChunk; ++i) sT[b * kRowChunk + i] = mc + i < mend ? x.s[(mc + i) * nb + b] : 0.0f;
+// Outputs [0, tiles · 16) of the weight in gemm's layout; `parallel(n, fn)` runs fn over tile ranges.
+template <typename Fmt, typename Parallel>
+PackedTiles pack_tiles(const Fmt& f, int64_t N, int64_t nb, Parallel parallel) {
+  PackedTiles p;
+  p.tiles = N / kTileN;
+  p.nb = nb;
+  p.nibbles = !Fmt::kSigned;
+  const int regs = p.nibbles ? 4 : 8;
+  p.w.resize(p.tiles * nb * regs);
+  p.ws.resize(p.tiles * nb * kTileN);
+  parallel(p.tiles, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scales(kTileN * nb);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
-      for (int j = 0; j < kTileN; ++j) {
-        // gemv's prefetch distance: without it the Q8_0 head streamed at ~6 GB/s at 4-9 rows.
-        if (n0 + kPrefetchRows + j < N) prefetch_row(f.row(n0 + kPrefetchRows + j), f.row_bytes());
+      for (int j = 0; j < kTileN; ++j)
         expand_blocks(f.scales, n0 + j, f.groups_per_row, f.blocks_per_group, nb, scales.data() + j * nb);
-        if (f.mins) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int j = 0; j < kTileN; ++j) p.ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
+        __m512i z[8];
+        for (int j = 0; j < 8; ++j)
+          z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(Fmt::unsigned_block(f.row(n0 + j), b)),
+                                    Fmt::unsigned_block(f.row(n0 + 8 + j), b), 1);
+        transpose8_halves(z);
+        __m512i* out = p.w.data() + (t * nb + b) * regs;
+        if (p.nibbles)
+          for (int k = 0; k < 4; ++k) out[k] = _mm512_or_si512(z[k], _mm512_slli_epi16(z[k + 4], 4));
+        else
+          for (int k = 0; k < 8; ++k) out[k] = z[k];
       }
-      for (int p = 0; p < 2; ++p) {
-        const float* s0 = scales.data() + (2 * p) * nb;
-        const float* s1 = scales.data() + (2 * p + 1) * nb;
-        for (int64_t b = 0; b < nb; ++b) {
-          __m512i z = Fmt::pair(f.row(n0 + 2 * p), f.row(n0 + 2 * p + 1), b);
-          if constexpr (Fmt::kSigned)  // -128 · Σ of each lane's 4 weights (tile_rows)
-            corr[b * 2 + p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), z), 7));
-          w[b * 2 + p] = z;
-          ws[b * 2 + p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0[b]), _mm512_set1_ps(s1[b]));
+    }
+  });
+  return p;
+}
+
+// Activation rows [m0, m0 + MR) against tile t: acc[i] lane j = row m0 + i, output 16t + j,
+// before the min term (the numbers above gemv).
+template <int MR, bool Nibbles, bool Signed>
+inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t m0, __m512 acc[]) {
+  const int64_t nb = x.nb, K = x.K;
+  constexpr int kRegs = Nibbles ? 4 : 8;
+  const __m512i* W = p.w.data() + t * nb * kRegs;
+  const float* wsT = p.ws.data() + t * nb * kTileN;
+  const int32_t* xq[MR];
+  for (int i = 0; i < MR; ++i) {
+    xq[i] = reinterpret_cast<const int32_t*>(x.q.data() + (m0 + i) * K);
+    acc[i] = _mm512_setzero_ps();
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[MR];
+    for (int i = 0; i < MR; ++i)
+      dot[i] = Signed ? _mm512_set1_epi32(-128 * x.qs[(m0 + i) * nb + b]) : _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) {
+      __m512i w;
+      if constexpr (Nibbles)
+        w = k < 4 ? _mm512_and_si512(W[b * 4 + k], low4)
+                  : _mm512_and_si512(_mm512_srli_epi16(W[b * 4 + k - 4], 4), low4);
+      else
+        w = W[b * 8 + k];
+      for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xq[i][b * 8 + k]));
+    }
+    const __m512 ws = _mm512_loadu_ps(wsT + b * kTileN);
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(x.d[(m0 + i) * nb + b])), acc[i]);
+  }
+}
+
+template <bool Nibbles, bool Signed>
+inline void tile_rows_any(int mr, const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t m0, __m512 acc[]) {
+  switch (mr) {
+    case 8: tile_rows<8, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 7: tile_rows<7, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 6: tile_rows<6, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 5: tile_rows<5, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 4: tile_rows<4, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 3: tile_rows<3, Nibbles, Signed>(p, t, x, m0, acc); break;
+    case 2: tile_rows<2, Nibbles, Signed>(p, t, x, m0, acc); break;
+    default: tile_rows<1, Nibbles, Signed>(p, t, x, m0, acc); break;
+  }
+}
+
+// y[M, N] for tiles [t0, t1) of the packed weight (N's remainder past the last tile: gemv).
+template <typename Fmt>
+void gemm(const Fmt& f, const PackedTiles& p, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t M = x.M, nb = x.nb, Mp = (M + 15) / 16 * 16;
+  std::vector<float> mins(f.mins ? kTileN * nb : 0);
+  // x's block sums transposed ([b][row], 16 rows per instruction) and the tile's min terms
+  // ([output][row]): dot_f32's operations, in its order, for 16 activation rows at a time.
+  std::vector<float> sT(f.mins ? nb * Mp : 0), mt(f.mins ? kTileN * Mp : 0);
+  if (f.mins)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < Mp; ++i) sT[b * Mp + i] = i < M ? x.s[i * nb + b] : 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * kTileN;
+    if (f.mins)
+      for (int j = 0; j < kTileN; ++j) {
+        expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
+        const float* wm = mins.data() + j * nb;
+        for (int64_t i = 0; i < M; i += 16) {
+          auto s_at = [&](int64_t b) { return _mm512_loadu_ps(sT.data() + b * Mp + i); };
+          __m512 a[8];
+          for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
+          int64_t k = 0;
+          for (; k + 8 <= nb; k += 8)
+            for (int l = 0; l < 8; ++l) a[l] = _mm512_fmadd_ps(_mm512_set1_ps(wm[k + l]), s_at(k + l), a[l]);
+          __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                   _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+          for (; k < nb; ++k) r = _mm512_fmadd_ps(_mm512_set1_ps(wm[k]), s_at(k), r);
+          _mm512_storeu_ps(mt.data() + j * Mp + i, r);
         }
       }
-      if (f.mins)  // dot_f32 for 16 activation rows at a time, operation for operation
-        for (int j = 0; j < kTileN; ++j)
-          for (int64_t i = 0; i < mend - mc; i += 16) {
-            const float* wm = mins.data() + j * nb;
-            auto s_at = [&](int64_t b) { return _mm512_loadu_ps(sT.data() + b * kRowChunk + i); };
-            __m512 a[8];
-            for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
-            int64_t k = 0;
-            for (; k + 8 <= nb; k += 8)
-              for (int l = 0; l < 8; ++l) a[l] = _mm512_fmadd_ps(_mm512_set1_ps(wm[k + l]), s_at(k + l), a[l]);
-            __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-                                     _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
-            for (; k < nb; ++k) r = _mm512_fmadd_ps(_mm512_set1_ps(wm[k]), s_at(k), r);
-            _mm512_storeu_ps(mt.data() + j * kRowChunk + i, r);
-          }
-      for (int64_t m0 = mc; m0 < mend; m0 += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, mend - m0));
-        alignas(64) float out[16];
-        switch (mr) {
-          case 4: tile_rows<4, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
-          case 3: tile_rows<3, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
-          case 2: tile_rows<2, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
-          default: tile_rows<1, Fmt::kSigned>(w.data(), corr.data(), ws.data(), x, m0, out); break;
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+      __m512 acc[kTileRows];
+      tile_rows_any<!Fmt::kSigned, Fmt::kSigned>(mr, p, t, x, m0, acc);
+      for (int i = 0; i < mr; ++i) {
+        float* yr = y + (m0 + i) * N + n0;
+        if (!f.mins) {
+          _mm512_storeu_ps(yr, acc[i]);
+          continue;
         }
-        for (int e = 0; e < mr; ++e)
-          for (int r = 0; r < kTileN; ++r) {
-            float v = out[r * 4 + e];
-            if (f.mins) v += mt[r * kRowChunk + (m0 - mc) + e];
-            y[(m0 + e) * N + n0 + r] = v;
-          }
+        alignas(64) float out[kTileN];
+        _mm512_store_ps(out, acc[i]);
+        for (int j = 0; j < kTileN; ++j) yr[j] = out[j] + mt[j * Mp + m0 + i];
       }
     }
   }

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "int8_dot.h"
@@ -247,25 +249,60 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
-constexpr int64_t kInt8GemmMinRows = 4;
+#ifdef INT8DOT_ZMM
+// The packed tiles (int8_dot.h) of every weight the int8 path has met, built on its first call.
+// An entry holds the weight and scale tensors, so no other weight can take their addresses while
+// it is cached; each new entry first drops the ones nobody else holds any more (an unloaded
+// model). They cost about the quantized weight's size again.
+struct PackedEntry {
+  torch::Tensor q, scale;
+  int64_t group;
+  std::shared_ptr<const int8dot::PackedTiles> tiles;
+};
+inline std::mutex packed_mutex;
+inline std::vector<PackedEntry> packed_entries;
 
-// x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt.
 template <typename Fmt>
-torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N) {
+std::shared_ptr<const int8dot::PackedTiles> packed_tiles(const Fmt& f, const torch::Tensor& q,
+                                                         const torch::Tensor& scale, int64_t group,
+                                                         int64_t N, int64_t nb) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  for (const PackedEntry& e : packed_entries)
+    if (e.q.data_ptr() == q.data_ptr() && e.scale.data_ptr() == scale.data_ptr() &&
+        e.q.sizes() == q.sizes() && e.group == group)
+      return e.tiles;
+  packed_entries.erase(std::remove_if(packed_entries.begin(), packed_entries.end(),
+                                      [](const PackedEntry& e) { return e.q.use_count() == 1 && e.scale.use_count() == 1; }),
+                       packed_entries.end());
+  auto tiles = std::make_shared<const int8dot::PackedTiles>(
+      int8dot::pack_tiles(f, N, nb, [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); }));
+  packed_entries.push_back({q, scale, group, tiles});
+  return tiles;
+}
+#endif
+
+// x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt,
+// over the weight `q` with `scale` (the packed tiles' cache key).
+template <typename Fmt>
+torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N, const torch::Tensor& q,
+                       const torch::Tensor& scale, int64_t group) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   const int8dot::QuantizedRows qx = int8dot::quantize_rows(
       x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
   float* yp = y.data_ptr<float>();
 #ifdef INT8DOT_ZMM
-  // Same numbers per (row, output) either way (int8_dot.h); gemm from the row count where its
-  // tile unpacking pays.
-  if (M >= kInt8GemmMinRows) {
-    const int64_t tiles = N / int8dot::kTileN, done = tiles * int8dot::kTileN;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(f, qx, yp, N, t0, t1); });
+  // Same numbers per (row, output) either way (int8_dot.h): the tiles for every row count, the
+  // one-row kernel for the outputs past the last whole tile.
+  if (N >= int8dot::kTileN) {
+    const auto tiles = packed_tiles(f, q, scale, group, N, qx.nb);
+    const int64_t done = tiles->tiles * int8dot::kTileN;
+    at::parallel_for(0, tiles->tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(f, *tiles, qx, yp, N, t0, t1); });
     if (done < N) int8dot::gemv(f, qx, yp, N, done, N);
     return y;
   }
+#else
+  (void)q, (void)scale, (void)group;
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8dot::gemv(f, qx, yp, N, n0, n1); });
   return y;
@@ -297,9 +334,9 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, i
   if (int8_x && x.size(0) > 0) {
     if (scale.scalar_type() == torch::kFloat16)
       return run_int8(int8dot::Q8Fmt<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(),
-                                                nullptr, K, K / group, group / 32}, x, N);
+                                                nullptr, K, K / group, group / 32}, x, N, q, scale, group);
     return run_int8(int8dot::Q8Fmt<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr,
-                                           K, K / group, group / 32}, x, N);
+                                           K, K / group, group / 32}, x, N, q, scale, group);
   }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q8<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, K / group,
@@ -322,9 +359,9 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
     if (scale.scalar_type() == torch::kFloat16)
       return run_int8(int8dot::Q4Fmt<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
                                                 mins.data_ptr<at::Half>(), K, K / group, group / 32},
-                      x, N);
+                      x, N, q, scale, group);
     return run_int8(int8dot::Q4Fmt<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                           mins.data_ptr<float>(), K, K / group, group / 32}, x, N);
+                                           mins.data_ptr<float>(), K, K / group, group / 32}, x, N, q, scale, group);
   }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q4<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
