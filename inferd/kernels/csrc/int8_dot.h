@@ -271,7 +271,7 @@ struct PackedTiles {
   bool nibbles = false;      // q4: 4 registers per block, else 8
   std::vector<__m512i> w;    // [tile][block][4 or 8]
   std::vector<float> ws;     // [tile][block][16]: the weight scale of each output, per block
-  size_t bytes() const { return w.size() * sizeof(__m512i) + ws.size() * sizeof(float); }
+  std::vector<float> wm;     // [tile][block][16]: the same for the mins (int4 with mins only)
 };
 
 // 8x8 transpose of 32-bit elements within each 256-bit half of z[0..7].
@@ -306,14 +306,20 @@ PackedTiles pack_tiles(const Fmt& f, int64_t N, int64_t nb, Parallel parallel) {
   const int regs = p.nibbles ? 4 : 8;
   p.w.resize(p.tiles * nb * regs);
   p.ws.resize(p.tiles * nb * kTileN);
+  if (f.mins) p.wm.resize(p.tiles * nb * kTileN);
   parallel(p.tiles, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scales(kTileN * nb);
+    std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
-      for (int j = 0; j < kTileN; ++j)
+      for (int j = 0; j < kTileN; ++j) {
         expand_blocks(f.scales, n0 + j, f.groups_per_row, f.blocks_per_group, nb, scales.data() + j * nb);
+        if (f.mins) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
+      }
       for (int64_t b = 0; b < nb; ++b) {
-        for (int j = 0; j < kTileN; ++j) p.ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
+        for (int j = 0; j < kTileN; ++j) {
+          p.ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
+          if (f.mins) p.wm[(t * nb + b) * kTileN + j] = mins[j * nb + b];
+        }
         __m512i z[8];
         for (int j = 0; j < 8; ++j)
           z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(Fmt::unsigned_block(f.row(n0 + j), b)),
@@ -377,49 +383,37 @@ inline void tile_rows_any(int mr, const PackedTiles& p, int64_t t, const Quantiz
   }
 }
 
+// The min terms of row i for the tile's 16 outputs: dot_f32's operations in its order (8 lanes
+// over the blocks, hadd's tree, then the remaining blocks), one output per lane.
+inline __m512 tile_min_terms(const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t i) {
+  const int64_t nb = x.nb;
+  const float* wm = p.wm.data() + t * nb * kTileN;
+  const float* s = x.s.data() + i * nb;
+  auto term = [&](int64_t b) { return _mm512_loadu_ps(wm + b * kTileN); };
+  __m512 a[8];
+  for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= nb; k += 8)
+    for (int l = 0; l < 8; ++l) a[l] = _mm512_fmadd_ps(term(k + l), _mm512_set1_ps(s[k + l]), a[l]);
+  __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                           _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+  for (; k < nb; ++k) r = _mm512_fmadd_ps(term(k), _mm512_set1_ps(s[k]), r);
+  return r;
+}
+
 // y[M, N] for tiles [t0, t1) of the packed weight (N's remainder past the last tile: gemv).
 template <typename Fmt>
 void gemm(const Fmt& f, const PackedTiles& p, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
-  const int64_t M = x.M, nb = x.nb, Mp = (M + 15) / 16 * 16;
-  std::vector<float> mins(f.mins ? kTileN * nb : 0);
-  // x's block sums transposed ([b][row], 16 rows per instruction) and the tile's min terms
-  // ([output][row]): dot_f32's operations, in its order, for 16 activation rows at a time.
-  std::vector<float> sT(f.mins ? nb * Mp : 0), mt(f.mins ? kTileN * Mp : 0);
-  if (f.mins)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t i = 0; i < Mp; ++i) sT[b * Mp + i] = i < M ? x.s[i * nb + b] : 0.0f;
+  const int64_t M = x.M;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kTileN;
-    if (f.mins)
-      for (int j = 0; j < kTileN; ++j) {
-        expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
-        const float* wm = mins.data() + j * nb;
-        for (int64_t i = 0; i < M; i += 16) {
-          auto s_at = [&](int64_t b) { return _mm512_loadu_ps(sT.data() + b * Mp + i); };
-          __m512 a[8];
-          for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
-          int64_t k = 0;
-          for (; k + 8 <= nb; k += 8)
-            for (int l = 0; l < 8; ++l) a[l] = _mm512_fmadd_ps(_mm512_set1_ps(wm[k + l]), s_at(k + l), a[l]);
-          __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-                                   _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
-          for (; k < nb; ++k) r = _mm512_fmadd_ps(_mm512_set1_ps(wm[k]), s_at(k), r);
-          _mm512_storeu_ps(mt.data() + j * Mp + i, r);
-        }
-      }
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       __m512 acc[kTileRows];
       tile_rows_any<!Fmt::kSigned, Fmt::kSigned>(mr, p, t, x, m0, acc);
       for (int i = 0; i < mr; ++i) {
-        float* yr = y + (m0 + i) * N + n0;
-        if (!f.mins) {
-          _mm512_storeu_ps(yr, acc[i]);
-          continue;
-        }
-        alignas(64) float out[kTileN];
-        _mm512_store_ps(out, acc[i]);
-        for (int j = 0; j < kTileN; ++j) yr[j] = out[j] + mt[j * Mp + m0 + i];
+        const __m512 v = f.mins ? _mm512_add_ps(acc[i], tile_min_terms(p, t, x, m0 + i)) : acc[i];
+        _mm512_storeu_ps(y + (m0 + i) * N + n0, v);
       }
     }
   }

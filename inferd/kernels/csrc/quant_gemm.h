@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "int8_dot.h"
@@ -260,23 +261,24 @@ struct PackedEntry {
   std::shared_ptr<const int8dot::PackedTiles> tiles;
 };
 inline std::mutex packed_mutex;
-inline std::vector<PackedEntry> packed_entries;
+inline std::unordered_map<const void*, PackedEntry> packed_entries;  // by the weight's address
 
 template <typename Fmt>
 std::shared_ptr<const int8dot::PackedTiles> packed_tiles(const Fmt& f, const torch::Tensor& q,
                                                          const torch::Tensor& scale, int64_t group,
                                                          int64_t N, int64_t nb) {
   std::lock_guard<std::mutex> lock(packed_mutex);
-  for (const PackedEntry& e : packed_entries)
-    if (e.q.data_ptr() == q.data_ptr() && e.scale.data_ptr() == scale.data_ptr() &&
-        e.q.sizes() == q.sizes() && e.group == group)
-      return e.tiles;
-  packed_entries.erase(std::remove_if(packed_entries.begin(), packed_entries.end(),
-                                      [](const PackedEntry& e) { return e.q.use_count() == 1 && e.scale.use_count() == 1; }),
-                       packed_entries.end());
+  const auto found = packed_entries.find(q.data_ptr());
+  if (found != packed_entries.end()) {
+    const PackedEntry& e = found->second;
+    if (e.scale.data_ptr() == scale.data_ptr() && e.q.sizes() == q.sizes() && e.group == group) return e.tiles;
+    packed_entries.erase(found);  // a view of the same bytes as another shape: repack for it
+  }
+  for (auto it = packed_entries.begin(); it != packed_entries.end();)
+    it = it->second.q.use_count() == 1 && it->second.scale.use_count() == 1 ? packed_entries.erase(it) : std::next(it);
   auto tiles = std::make_shared<const int8dot::PackedTiles>(
       int8dot::pack_tiles(f, N, nb, [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); }));
-  packed_entries.push_back({q, scale, group, tiles});
+  packed_entries.emplace(q.data_ptr(), PackedEntry{q, scale, group, tiles});
   return tiles;
 }
 #endif
