@@ -9,8 +9,9 @@
 // Scales and mins are fp32 or fp16 (GGUF keeps fp16 ones; we keep them as shipped).
 //
 // Three paths, all threaded over output rows with at::parallel_for:
-// - int8 activations (q8 and q4, small M, the default for decode; int8_dot.h): x quantized to int8
-//   per 32-block once per call, integer dot products per block, as llama.cpp does.
+// - int8 activations (q8 and q4, any M, the default; int8_dot.h): x quantized to int8 per 32-block
+//   once per call, exact integer dot products per block, as llama.cpp does; with AVX512-VNNI on
+//   the weight's packed 16-output tiles (built on its first call and cached below).
 // - M <= 4 (decode): each 32-weight block is dequantised into 4 registers once and used for all
 //   M input rows: the weight bytes are read once per call, which is what decode is bound by.
 // - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
