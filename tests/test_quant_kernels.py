@@ -244,3 +244,29 @@ def test_kernels_build_where_they_can():
         pytest.skip("no AVX2/FMA CPU or no C++ compiler here")
     assert extension() is not None
     assert extension_avx2() is not None
+
+
+def test_int8_tiles_are_packed_at_start_up_and_dropped_with_the_model(tiny_models) -> None:
+    """The int8 path packs each weight into tiles on its first call; the engine makes those calls
+    while it starts (not in the first request), and a weight that is gone takes its tiles along."""
+    import gc
+
+    from inferd import LLM
+    from inferd.layers.quantized_linear import QuantizedLinear
+
+    ext = extension()
+    if ext is None or not ext.has_int8_gemm:
+        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
+    gc.collect()
+    before = ext.packed_tile_bytes()
+    llm = LLM(str(tiny_models["llama-f32.gguf"].path), quantization="int4", verbose=False,
+              kv_cache_memory=4 << 20)
+    model = llm.engine.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized
+    weights = sum(m.qweight.nbytes for m in quantized if m.out_features >= 16)
+    packed = ext.packed_tile_bytes() - before
+    assert packed >= 0.9 * weights, (packed, weights)  # every weight with a whole tile, at load
+    del llm, model, quantized
+    gc.collect()
+    assert ext.packed_tile_bytes() <= before

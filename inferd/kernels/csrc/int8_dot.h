@@ -272,6 +272,7 @@ struct PackedTiles {
   std::vector<__m512i> w;    // [tile][block][4 or 8]
   std::vector<float> ws;     // [tile][block][16]: the weight scale of each output, per block
   std::vector<float> wm;     // [tile][block][16]: the same for the mins (int4 with mins only)
+  size_t bytes() const { return w.size() * sizeof(__m512i) + (ws.size() + wm.size()) * sizeof(float); }
 };
 
 // 8x8 transpose of 32-bit elements within each 256-bit half of z[0..7].

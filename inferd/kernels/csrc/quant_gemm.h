@@ -252,14 +252,19 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
 }
 
 #ifdef INT8DOT_ZMM
-// The packed tiles (int8_dot.h) of every weight the int8 path has met, built on its first call.
-// An entry holds the weight and scale tensors, so no other weight can take their addresses while
-// it is cached; each new entry first drops the ones nobody else holds any more (an unloaded
-// model). They cost about the quantized weight's size again.
+// The packed tiles (int8_dot.h) of every weight the int8 path has met, built on its first call
+// (the engine makes those calls at start-up). An entry holds weak references to the weight and
+// scale tensors: a strong one would keep them alive for good (PyTorch preserves the Python
+// tensor while C++ holds it). A freed tensor's bytes may be reused by another, so an entry whose
+// tensors have expired is stale, and each new entry first drops the stale ones. The tiles cost
+// about the quantized weight's size again.
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 struct PackedEntry {
-  torch::Tensor q, scale;
-  int64_t group;
+  WeakTensor q, scale;
+  const void* scale_data;
+  int64_t rows, cols, group;
   std::shared_ptr<const int8dot::PackedTiles> tiles;
+  bool live() const { return !q.expired() && !scale.expired(); }
 };
 inline std::mutex packed_mutex;
 inline std::unordered_map<const void*, PackedEntry> packed_entries;  // by the weight's address
@@ -272,17 +277,32 @@ std::shared_ptr<const int8dot::PackedTiles> packed_tiles(const Fmt& f, const tor
   const auto found = packed_entries.find(q.data_ptr());
   if (found != packed_entries.end()) {
     const PackedEntry& e = found->second;
-    if (e.scale.data_ptr() == scale.data_ptr() && e.q.sizes() == q.sizes() && e.group == group) return e.tiles;
-    packed_entries.erase(found);  // a view of the same bytes as another shape: repack for it
+    if (e.live() && e.scale_data == scale.data_ptr() && e.rows == q.size(0) && e.cols == q.size(1) && e.group == group)
+      return e.tiles;
+    packed_entries.erase(found);  // stale, or a view of the same bytes as another shape
   }
   for (auto it = packed_entries.begin(); it != packed_entries.end();)
-    it = it->second.q.use_count() == 1 && it->second.scale.use_count() == 1 ? packed_entries.erase(it) : std::next(it);
+    it = it->second.live() ? std::next(it) : packed_entries.erase(it);
   auto tiles = std::make_shared<const int8dot::PackedTiles>(
       int8dot::pack_tiles(f, N, nb, [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); }));
-  packed_entries.emplace(q.data_ptr(), PackedEntry{q, scale, group, tiles});
+  packed_entries.emplace(q.data_ptr(), PackedEntry{WeakTensor(q.getIntrusivePtr()), WeakTensor(scale.getIntrusivePtr()),
+                                                   scale.data_ptr(), q.size(0), q.size(1), group, tiles});
   return tiles;
 }
 #endif
+
+// Bytes held by the packed tiles of the weights still alive (0 without AVX512-VNNI).
+inline int64_t packed_tile_bytes() {
+#ifdef INT8DOT_ZMM
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  int64_t total = 0;
+  for (const auto& [key, e] : packed_entries)
+    if (e.live()) total += static_cast<int64_t>(e.tiles->bytes());
+  return total;
+#else
+  return 0;
+#endif
+}
 
 // x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt,
 // over the weight `q` with `scale` (the packed tiles' cache key).
