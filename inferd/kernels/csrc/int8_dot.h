@@ -164,6 +164,7 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 }
 
 
+#ifdef INT8DOT_ZMM
 // Lane j of the result: the sum of v[j]'s 8 lanes. Integers, so exact in any order.
 inline __m256i hsum8_i32(const __m256i v[8]) {
   const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
@@ -220,6 +221,74 @@ void gemv(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t n0,
     }
   }
 }
+#else
+// Without AVX512-VNNI (the AVX2 build: gemv is its only int8 kernel) the numbers are the lane-wise
+// ones llama.cpp-style kernels use: each block's 8 four-product lanes converted, scaled and
+// FMA'd into 8 lanes per row, reduced by hadd at the end. Summing each block exactly first (the
+// tiles' numbers, below) costs ~35% more instructions here, where no tile path amortises it.
+// Rows [m0, m0 + MR) of x against output row n: scale[b] = weight scale · activation scale of
+// block b for row m0 (row i's at scale + i * nb); two accumulators per row hide the FMA latency.
+template <int MR, typename Fmt>
+inline void dot_rows(const typename Fmt::Row w_row, const QuantizedRows& x, int64_t m0,
+                     const float* scale, float out[MR]) {
+  const int64_t nb = x.nb, K = x.K;
+  const int8_t* xq = x.q.data() + m0 * K;
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  // Blocks in pairs with constant accumulator indices (a runtime index would keep acc in memory).
+  auto step = [&](int64_t b, int a) __attribute__((always_inline)) {
+    const auto w = Fmt::block(w_row, b);
+    for (int i = 0; i < MR; ++i) {
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + b * 32));
+      __m256 p = _mm256_cvtepi32_ps(w.dot(q));
+      acc[i][a] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + i * nb + b), acc[i][a]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  for (int i = 0; i < MR; ++i) out[i] = hadd(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+// y[M, N] for output rows [n0, n1): Fmt has `scales`, `mins` (nullptr for q8), the group layout
+// and `row(n)` / `block(row, b)`. Every row of x meets an output row while its weights are in L1.
+template <typename Fmt>
+void gemv(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t M = x.M, nb = x.nb;
+  std::vector<float> ws(nb), wm(nb), scale(4 * nb);
+  for (int64_t n = n0; n < n1; ++n) {
+    expand_blocks(f.scales, n, f.groups_per_row, f.blocks_per_group, nb, ws.data());
+    if (f.mins) expand_blocks(f.mins, n, f.groups_per_row, f.blocks_per_group, nb, wm.data());
+    const typename Fmt::Row w_row = f.row(n);  // pointers hoisted: the block loop stays lean
+    if (n + kPrefetchRows < n1) prefetch_row(f.row(n + kPrefetchRows), f.row_bytes());
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
+      for (int i = 0; i < mr; ++i) {
+        const float* d = x.d.data() + (m0 + i) * nb;
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8)
+          _mm256_storeu_ps(scale.data() + i * nb + b,
+                           _mm256_mul_ps(_mm256_loadu_ps(ws.data() + b), _mm256_loadu_ps(d + b)));
+        for (; b < nb; ++b) scale[i * nb + b] = ws[b] * d[b];
+      }
+      float out[4];
+      switch (mr) {
+        case 4: dot_rows<4, Fmt>(w_row, x, m0, scale.data(), out); break;
+        case 3: dot_rows<3, Fmt>(w_row, x, m0, scale.data(), out); break;
+        case 2: dot_rows<2, Fmt>(w_row, x, m0, scale.data(), out); break;
+        default: dot_rows<1, Fmt>(w_row, x, m0, scale.data(), out); break;
+      }
+      for (int i = 0; i < mr; ++i) {
+        if (f.mins) out[i] += dot_f32(wm.data(), x.s.data() + (m0 + i) * nb, nb);
+        y[(m0 + i) * N + n] = out[i];
+      }
+    }
+  }
+}
+#endif
 
 template <typename S>
 struct Q8Fmt {
