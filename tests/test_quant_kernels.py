@@ -246,27 +246,67 @@ def test_kernels_build_where_they_can():
     assert extension_avx2() is not None
 
 
-def test_int8_tiles_are_packed_at_start_up_and_dropped_with_the_model(tiny_models) -> None:
-    """The int8 path packs each weight into tiles on its first call; the engine makes those calls
-    while it starts (not in the first request), and a weight that is gone takes its tiles along."""
-    import gc
 
-    from inferd import LLM
+def _tiles_ext():
+    ext = extension()
+    if ext is None or not ext.has_tiles:
+        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
+    return ext
+
+
+def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
+    """A weight packed into tiles computes exactly what its row layout computes (the same exact
+    block sums, the same fp32 operations) at every row count, and dequantises to the same values."""
+    from inferd.quantization.formats import pack_tiles
+
+    ext = _tiles_ext()
+    g = torch.Generator().manual_seed(11)
+    for qw in _int_weights():
+        if qw.shape[0] % 16:
+            assert pack_tiles(qw) is None  # the row layout stays
+            continue
+        tiles = pack_tiles(qw)
+        assert tiles.layout == "tiles" and tiles.data.numel() == qw.data.numel()
+        np.testing.assert_array_equal(dequantize_rows(tiles).numpy(), dequantize_rows(qw).numpy())
+        rows = torch.tensor([5, 0, qw.shape[0] - 1, 17 % qw.shape[0]])
+        assert torch.equal(dequantize_rows(tiles, rows), dequantize_rows(qw, rows))
+        back = tiles.rows(rows)  # a row-layout subset (the draft head's vocabulary does this)
+        assert back.layout == "rows" and torch.equal(dequantize_rows(back), dequantize_rows(qw, rows))
+        for m in (1, 3, 9, 70):
+            x = torch.randn(m, qw.shape[1], generator=g)
+            assert torch.equal(ext.tiles_linear(x, tiles.data, tiles.scales,
+                                                tiles.mins if tiles.mins is not None else torch.empty(0)),
+                               _int_call(ext, x, qw)), (qw.source, qw.shape, m)  # fmt: skip
+
+
+def test_engine_packs_its_quantized_weights_in_place(tiny_models) -> None:
+    """At start-up the engine packs its int8 / int4 matmuls into tiles instead of keeping a second
+    copy, and generates what the row layout generates."""
+    from inferd import LLM, SamplingParams
+    from inferd.engine import model_runner
     from inferd.layers.quantized_linear import QuantizedLinear
 
-    ext = extension()
-    if ext is None or not ext.has_int8_gemm:
-        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
-    gc.collect()
-    before = ext.packed_tile_bytes()
-    llm = LLM(str(tiny_models["llama-f32.gguf"].path), quantization="int4", verbose=False,
-              kv_cache_memory=4 << 20)
-    model = llm.engine.runner.model
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert quantized
-    weights = sum(m.qweight.nbytes for m in quantized if m.out_features >= 16)
-    packed = ext.packed_tile_bytes() - before
-    assert packed >= 0.9 * weights, (packed, weights)  # every weight with a whole tile, at load
-    del llm, model, quantized
-    gc.collect()
-    assert ext.packed_tile_bytes() <= before
+    _tiles_ext()
+    path = str(tiny_models["llama-f32.gguf"].path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = ["The quick brown fox jumps over", "A paged KV cache stores"]
+
+    def run(pack: bool):
+        if not pack:
+            real = model_runner.pack_quantized_weights
+            model_runner.pack_quantized_weights = lambda model: 0
+        try:
+            llm = LLM(path, quantization="int4", verbose=False, kv_cache_memory=4 << 20)
+        finally:
+            if not pack:
+                model_runner.pack_quantized_weights = real
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return linears, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    packed, got = run(True)
+    rows, want = run(False)
+    assert {m.qweight.layout for m in packed} == {"tiles"} and {m.qweight.layout for m in rows} == {"rows"}
+    assert got == want
+    # The packed bytes replace the row layout's: the same weight bytes, fp32 block scales.
+    assert sum(m.qweight.data.numel() for m in packed) == sum(m.qweight.data.numel() for m in rows)

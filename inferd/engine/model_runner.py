@@ -18,7 +18,7 @@ from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
-from inferd.layers.quantized_linear import prepare_quantized_kernels
+from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -86,7 +86,7 @@ class ModelRunner:
 
             self.attention_kernel = extension()
         if device.type == "cpu" and dtype == torch.float32:
-            prepare_quantized_kernels(model)
+            pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py

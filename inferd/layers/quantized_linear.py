@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferd.quantization import formats
 from inferd.quantization.formats import QuantizedWeight, dequantize_rows, quantized_matmul
 
 
@@ -50,11 +51,26 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.qweight.shape}, {self.qweight.format} ({self.qweight.source})"
 
 
-def prepare_quantized_kernels(model: nn.Module) -> None:
-    """One tiny call per quantized matmul, so that whatever the kernels build on a weight's first
-    call (the int8 path's packed tiles: ~50 ms for the default model) happens at start-up rather
-    than in the first request's time to first token."""
-    with torch.inference_mode():
-        for module in model.modules():
-            if isinstance(module, QuantizedLinear):
-                quantized_matmul(torch.zeros(1, module.in_features), module.qweight)
+
+def pack_quantized_weights(model: nn.Module) -> int:
+    """Rearrange every int8 / int4 `QuantizedLinear` weight into the packed tiles of the
+    AVX512-VNNI kernels (`formats.pack_tiles`), in place of the row layout: no second copy. A
+    tied embedding keeps sharing the head's weight (it dequantises its rows from the tiles).
+    Nothing is packed where int8 activations are forced off (tiles have no fp32-activation
+    kernel) or the kernels lack tiles. Returns how many weights were packed."""
+    if formats.INT8_ACTIVATIONS is False:
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    packed: dict[int, QuantizedWeight] = {}
+    for m in linears:
+        if id(m.qweight) not in packed:
+            tiles = formats.pack_tiles(m.qweight)
+            if tiles is None:
+                continue
+            packed[id(m.qweight)] = tiles
+    for m in model.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and id(m.qweight) in packed:
+            m.qweight = packed[id(m.qweight)]
+    if packed and hasattr(model, "weights_repacked"):
+        model.weights_repacked()
+    return len(packed)

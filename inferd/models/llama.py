@@ -31,12 +31,19 @@ from inferd.quantization.policy import linear_weight
 # Off: every step runs the Python layer loop (the tests compare the two paths).
 FUSED_DECODE = True
 _LINEAR_KINDS = {"int8": 1, "int4": 2, "fp8": 3}  # decoder::LinearWeights::Kind; 0 is fp32
+_TILES_KIND = 4  # int8 / int4 packed at load (formats.pack_tiles)
+
+
+def _int8_activations(ext) -> bool:
+    """What quantized_matmul does by default: int8 activations where the kernels have tiles."""
+    return ext.has_int8_gemm if formats.INT8_ACTIVATIONS is None else formats.INT8_ACTIVATIONS
 
 
 def _linear_weights(ext, module: nn.Module):
     if isinstance(module, QuantizedLinear):
         w = module.qweight
-        return ext.LinearWeights(_LINEAR_KINDS[w.format], w.data, w.scales, w.mins, module.bias, w.group)
+        kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
+        return ext.LinearWeights(kind, w.data, w.scales, w.mins, module.bias, w.group)
     return ext.LinearWeights(0, module.weight, None, None, module.bias, 0)
 
 
@@ -113,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by `set_rotary` once the weights (and GGUF's rope_freqs, if any) are known.
         self.rotary: RotaryEmbedding | None = None
         self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
+        self._tiles = False  # some weights packed into tiles: the fused step needs int8 activations
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -134,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions)
         kg = meta.kernel_group
         if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
-                and x.dtype == torch.float32 and type(kv_caches[0][0]) is torch.Tensor):  # fmt: skip
+                and x.dtype == torch.float32 and type(kv_caches[0][0]) is torch.Tensor
+                and (not self._tiles or _int8_activations(kg.kernel))):  # fmt: skip
             return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, rope, kv, meta)
@@ -152,13 +161,17 @@ class LlamaForCausalLM(nn.Module):
                 for l in self.layers
             ]  # fmt: skip
         cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
-        int8 = formats.INT8_ACTIVATIONS
         shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                 cfg.rms_norm_eps, attn.scale, ext.has_int8_gemm if int8 is None else int8)  # fmt: skip
+                                 cfg.rms_norm_eps, attn.scale, _int8_activations(ext))  # fmt: skip
         return ext.decode_layers(
             x, self._fused_layers, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], rope[0],
             rope[1], meta.slot_mapping, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape,
         )  # fmt: skip
+
+    def weights_repacked(self) -> None:
+        """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""
+        self._fused_layers = None
+        self._tiles = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that sample: [B, vocab]."""
@@ -173,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them; linear
         layers whose weight `--quantization` keeps quantized become `QuantizedLinear`s."""
         self._fused_layers = None
+        self._tiles = False
         own = dict(self.named_parameters(remove_duplicate=False))
         used: set[str] = set()
 

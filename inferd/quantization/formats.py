@@ -40,6 +40,11 @@ class QuantizedWeight:
     shape: tuple[int, int]  # the dequantized [N, K]
     group: int  # weights per scale along K (a multiple of 32; K itself for per-channel)
     source: str = ""  # e.g. "GGUF Q4_1": where the quantization came from
+    # "rows": data [N, K] (int4: [N, K / 2]) and scales/mins [N, K / group], as shipped.
+    # "tiles": packed at load for the AVX512-VNNI kernels (`pack_tiles`): data has the same bytes
+    # rearranged, scales/mins are fp32 [N / 16, K / 32, 16] (one per 32-block; `group` is still
+    # the quantization's). Only the int8-activation path and `dequantize_rows` read it.
+    layout: str = "rows"
 
     @property
     def nbytes(self) -> int:
@@ -55,15 +60,23 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
         """The same weight with its rows reordered/selected by `index`."""
         index = torch.as_tensor(index, dtype=torch.long)
+        if self.layout == "tiles":  # back to the row layout, with the block scales as fp32 groups of 32
+            q, scales, mins = _tile_values(self, index)
+            data = q.contiguous() if self.format == "int8" else pack_int4(q)
+            return QuantizedWeight(self.format, data, scales.contiguous(),
+                                   None if mins is None else mins.contiguous(),
+                                   (len(index), self.shape[1]), 32, self.source)  # fmt: skip
         mins = None if self.mins is None else self.mins[index].contiguous()
         return QuantizedWeight(self.format, self.data[index].contiguous(),
                                self.scales[index].contiguous(), mins,
                                (len(index), self.shape[1]), self.group, self.source)  # fmt: skip
 
     def to(self, device: torch.device) -> QuantizedWeight:
+        if self.layout != "rows" and torch.device(device).type != "cpu":
+            raise ValueError("packed tiles are a CPU layout")
         mins = None if self.mins is None else self.mins.to(device)
         return QuantizedWeight(self.format, self.data.to(device), self.scales.to(device), mins,
-                               self.shape, self.group, self.source)  # fmt: skip
+                               self.shape, self.group, self.source, self.layout)  # fmt: skip
 
 
 def bytes_of(w: torch.Tensor | QuantizedWeight) -> int:
@@ -92,6 +105,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [len(rows) or N, K]; `rows` selects rows first (an embedding lookup)."""
+    if w.layout == "tiles":
+        return _dequantize_tiles(w, rows)
     data, scales, mins = w.data, w.scales, w.mins
     if rows is not None:
         data, scales = data[rows], scales[rows]
@@ -103,6 +118,46 @@ def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     if w.format == "fp8":
         return data.view(torch.float8_e4m3fn).float() * _expand(scales, w.group)
     raise ValueError(f"unknown quantized format {w.format!r}")
+
+
+def _tile_values(w: QuantizedWeight, rows: torch.Tensor | None):
+    """Rows of a packed weight as (q [R, K]: int8, or uint8 0..15 for int4; scales [R, K / 32];
+    mins [R, K / 32] or None). Output n is lane n % 16 of tile n // 16; register k of a block
+    holds its weights 4k..4k+3 (int4: registers k and k + 4 share a byte)."""
+    n, k = w.shape
+    nb = k // 32
+    rows = torch.arange(n) if rows is None else torch.as_tensor(rows).reshape(-1).long()
+    tile, lane = rows // 16, rows % 16
+    pick = torch.arange(len(rows))
+    raw = w.data.view(torch.uint8).reshape(n // 16, -1)[tile]  # the rows' tiles, whole
+    if w.format == "int8":
+        q = (raw.view(-1, nb, 8, 16, 4) ^ 0x80).view(torch.int8)
+    else:
+        both = raw.view(-1, nb, 4, 16, 4)
+        q = torch.cat([both & 0x0F, both >> 4], dim=2)  # registers 0-3, then 4-7
+    q = q.permute(0, 3, 1, 2, 4)[pick, lane].reshape(len(rows), k)
+    mins = None if w.mins is None else w.mins[tile, :, lane]
+    return q, w.scales[tile, :, lane], mins
+
+
+def _dequantize_tiles(w: QuantizedWeight, rows: torch.Tensor | None) -> torch.Tensor:
+    q, scales, mins = _tile_values(w, rows)
+    y = q.float() * scales.repeat_interleave(32, dim=1)
+    return y if mins is None else y + mins.repeat_interleave(32, dim=1)
+
+
+def pack_tiles(w: QuantizedWeight) -> QuantizedWeight | None:
+    """`w` in the packed layout of the AVX512-VNNI kernels, or None where it cannot take it
+    (no such kernels, fp8, an output count that is not a multiple of 16, another device)."""
+    ext = _kernels()
+    n, k = w.shape
+    if (ext is None or not ext.has_tiles or w.layout != "rows" or w.format not in ("int8", "int4")
+            or n % 16 or k % 32 or not w.data.is_cpu):  # fmt: skip
+        return None
+    data, scales, mins = ext.pack_int8_tiles(w.data, w.scales, w.mins, w.group)
+    # `group` stays the quantization's own (the packed scales repeat it per 32-block).
+    return QuantizedWeight(w.format, data, scales, mins if w.mins is not None else None, w.shape,
+                           w.group, w.source, "tiles")  # fmt: skip
 
 
 def dequantize(w: QuantizedWeight | torch.Tensor) -> torch.Tensor:
@@ -301,6 +356,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
                 int8_activations = INT8_ACTIVATIONS if INT8_ACTIVATIONS is not None else ext.has_int8_gemm
             if int8_activations and w.format != "fp8":
                 y = _kernel_call(ext, x2 if x2.is_contiguous() else x2.contiguous(), w, True)
+            elif w.layout == "tiles":  # fp32 activations on a packed weight: dequantise (slow)
+                y = F.linear(x2, dequantize_rows(w))
             elif x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
                 # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
                 y = F.linear(x2, _kernel_call(ext, x2[:0], w))
@@ -310,12 +367,16 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
     return F.linear(x, dequantize_rows(w).to(x.dtype))
 
 
+_NO_MINS = torch.empty(0)
+
 # Rows from which dequantise-once + BLAS sgemm beats the fused kernel (measured on AVX2 here).
 DEQUANT_GEMM_MIN_ROWS = 32
 
 
 def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
     """The fused kernel on x2 [M, K]; with M == 0 it returns the dequantised weight [N, K]."""
+    if w.layout == "tiles":  # int8 activations only (quantized_matmul routes the rest)
+        return ext.tiles_linear(x2, w.data, w.scales, w.mins if w.mins is not None else _NO_MINS)
     if w.format == "int8":
         return ext.q8_linear(x2, w.data, w.scales, w.group, int8_x)
     if w.format == "int4":

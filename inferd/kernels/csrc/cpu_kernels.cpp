@@ -17,8 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("int8_x") = false);
   // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
-  m.def("packed_tile_bytes", &quant_gemm::packed_tile_bytes,
-        "bytes of the int8 path's packed weight tiles (built on a weight's first call)");
+  // Packed 16-output tiles (AVX512-VNNI builds): the layout int8 / int4 weights take at load.
+  m.attr("has_tiles") = quant_gemm::kHasTiles;
+  m.def("pack_int8_tiles", &quant_gemm::pack_int8_tiles, "[w, ws, wm]: q, scales, mins in the tiles' layout",
+        py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
+  m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
+        py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
   m.def("fp8_linear", &quant_gemm::fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
   // Whether many-row calls have integer tiles (AVX512-VNNI): without, int8 activations make
   // prefill ~2x slower, so they are not the default there.

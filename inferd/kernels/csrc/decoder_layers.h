@@ -24,7 +24,7 @@ namespace decoder {
 // One linear layer as the model holds it: `Linear` (fp32 weight, F.linear) or `QuantizedLinear`
 // (packed weight; inferd/quantization/formats.py `quantized_matmul` decides the kernel).
 struct LinearWeights {
-  enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3 };
+  enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3, kTiles = 4 };  // kTiles: packed int8/int4
   int64_t kind;
   torch::Tensor weight;  // fp32 [N, K] or the packed data
   torch::Tensor scales, mins, bias;  // undefined where absent
@@ -57,7 +57,10 @@ inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor&
 inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, const Shape& s) {
   if (l.kind == LinearWeights::kFloat) return at::linear(x, l.weight, l.bias);
   torch::Tensor y;
-  if (s.int8_activations && l.kind != LinearWeights::kFp8)
+  if (l.kind == LinearWeights::kTiles) {
+    TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");
+    y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}));
+  } else if (s.int8_activations && l.kind != LinearWeights::kFp8)
     y = quantized_call(l, x, true);
   else if (x.size(0) >= kDequantGemmMinRows)
     y = at::linear(x, quantized_call(l, x.narrow(0, 0, 0), false));

@@ -325,23 +325,24 @@ struct Q4Fmt {
 
 #ifdef INT8DOT_ZMM
 // ---- gemm: tiles of 16 outputs, AVX512-VNNI ------------------------------------------------
-// A weight is rearranged once (pack_tiles, cached by quant_gemm.h) so that register k of block b
-// of a tile holds weights 4k..4k+3 of each of its 16 outputs, one per 32-bit lane. An activation
-// row's 4 bytes, broadcast, then meet all 16 outputs in one vpdpbusd; 8 of them sum the block in
-// int32, and one convert, multiply and FMA finish it: 11 instructions per row per 512
-// multiply-adds, with the tile's registers read straight from memory. q8 weights enter as
-// qw + 128 (unsigned) and the accumulator starts at -128 · Σ q; q4 keeps two registers' nibbles
-// in one (low: k, high: k + 4).
+// A weight is rearranged once, at load (pack_tiles; the packed form replaces the row layout),
+// so that register k of block b of a tile holds weights 4k..4k+3 of each of its 16 outputs, one
+// per 32-bit lane. An activation row's 4 bytes, broadcast, then meet all 16 outputs in one
+// vpdpbusd; 8 of them sum the block in int32, and one convert, multiply and FMA finish it: 11
+// instructions per row per 512 multiply-adds, with the tile's registers read straight from
+// memory. q8 weights enter as qw + 128 (unsigned) and the accumulator starts at -128 · Σ q; q4
+// keeps two registers' nibbles in one byte (low: k, high: k + 4), so the packed bytes are as many
+// as the row layout's. Scales (and int4 mins) are fp32 per block: [tile][block][16].
 constexpr int kTileN = 16;    // output rows per tile: one per lane
 constexpr int kTileRows = 8;  // activation rows per register block
 
+// A packed weight, as views of the tensors that hold it.
 struct PackedTiles {
-  int64_t tiles = 0, nb = 0;
-  bool nibbles = false;      // q4: 4 registers per block, else 8
-  std::vector<__m512i> w;    // [tile][block][4 or 8]
-  std::vector<float> ws;     // [tile][block][16]: the weight scale of each output, per block
-  std::vector<float> wm;     // [tile][block][16]: the same for the mins (int4 with mins only)
-  size_t bytes() const { return w.size() * sizeof(__m512i) + (ws.size() + wm.size()) * sizeof(float); }
+  int64_t tiles, nb;
+  bool nibbles;          // q4: 4 registers per block, else 8 (q8)
+  const __m512i* w;      // [tile][block][4 or 8]
+  const float* ws;       // [tile][block][16]: each output's weight scale, per block
+  const float* wm;       // the same for the mins; nullptr without
 };
 
 // 8x8 transpose of 32-bit elements within each 256-bit half of z[0..7].
@@ -366,44 +367,37 @@ inline void transpose8_halves(__m512i z[8]) {
   }
 }
 
-// Outputs [0, tiles · 16) of the weight in gemm's layout; `parallel(n, fn)` runs fn over tile ranges.
+// Outputs [0, N) (N a multiple of 16) of the weight into gemm's layout: w [tiles][nb][4 or 8]
+// registers, ws and wm (nullptr without mins) [tiles][nb][16]; `parallel(n, fn)` over tiles.
 template <typename Fmt, typename Parallel>
-PackedTiles pack_tiles(const Fmt& f, int64_t N, int64_t nb, Parallel parallel) {
-  PackedTiles p;
-  p.tiles = N / kTileN;
-  p.nb = nb;
-  p.nibbles = !Fmt::kSigned;
-  const int regs = p.nibbles ? 4 : 8;
-  p.w.resize(p.tiles * nb * regs);
-  p.ws.resize(p.tiles * nb * kTileN);
-  if (f.mins) p.wm.resize(p.tiles * nb * kTileN);
-  parallel(p.tiles, [&](int64_t t0, int64_t t1) {
+void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, float* ws, float* wm, Parallel parallel) {
+  const int regs = Fmt::kSigned ? 8 : 4;
+  parallel(N / kTileN, [&](int64_t t0, int64_t t1) {
     std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
       for (int j = 0; j < kTileN; ++j) {
         expand_blocks(f.scales, n0 + j, f.groups_per_row, f.blocks_per_group, nb, scales.data() + j * nb);
-        if (f.mins) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
+        if (wm) expand_blocks(f.mins, n0 + j, f.groups_per_row, f.blocks_per_group, nb, mins.data() + j * nb);
       }
       for (int64_t b = 0; b < nb; ++b) {
         for (int j = 0; j < kTileN; ++j) {
-          p.ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
-          if (f.mins) p.wm[(t * nb + b) * kTileN + j] = mins[j * nb + b];
+          ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
+          if (wm) wm[(t * nb + b) * kTileN + j] = mins[j * nb + b];
         }
         __m512i z[8];
         for (int j = 0; j < 8; ++j)
           z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(Fmt::unsigned_block(f.row(n0 + j), b)),
                                     Fmt::unsigned_block(f.row(n0 + 8 + j), b), 1);
         transpose8_halves(z);
-        __m512i* out = p.w.data() + (t * nb + b) * regs;
-        if (p.nibbles)
-          for (int k = 0; k < 4; ++k) out[k] = _mm512_or_si512(z[k], _mm512_slli_epi16(z[k + 4], 4));
+        __m512i* out = w + (t * nb + b) * regs;
+        if (!Fmt::kSigned)
+          for (int k = 0; k < 4; ++k) _mm512_storeu_si512(out + k, _mm512_or_si512(z[k], _mm512_slli_epi16(z[k + 4], 4)));
         else
-          for (int k = 0; k < 8; ++k) out[k] = z[k];
+          for (int k = 0; k < 8; ++k) _mm512_storeu_si512(out + k, z[k]);
       }
     }
   });
-  return p;
 }
 
 // Activation rows [m0, m0 + MR) against tile t: acc[i] lane j = row m0 + i, output 16t + j,
@@ -412,8 +406,8 @@ template <int MR, bool Nibbles, bool Signed>
 inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t m0, __m512 acc[]) {
   const int64_t nb = x.nb, K = x.K;
   constexpr int kRegs = Nibbles ? 4 : 8;
-  const __m512i* W = p.w.data() + t * nb * kRegs;
-  const float* wsT = p.ws.data() + t * nb * kTileN;
+  const __m512i* W = p.w + t * nb * kRegs;
+  const float* wsT = p.ws + t * nb * kTileN;
   const int32_t* xq[MR];
   for (int i = 0; i < MR; ++i) {
     xq[i] = reinterpret_cast<const int32_t*>(x.q.data() + (m0 + i) * K);
@@ -427,10 +421,10 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
     for (int k = 0; k < 8; ++k) {
       __m512i w;
       if constexpr (Nibbles)
-        w = k < 4 ? _mm512_and_si512(W[b * 4 + k], low4)
-                  : _mm512_and_si512(_mm512_srli_epi16(W[b * 4 + k - 4], 4), low4);
+        w = k < 4 ? _mm512_and_si512(_mm512_loadu_si512(W + b * 4 + k), low4)
+                  : _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(W + b * 4 + k - 4), 4), low4);
       else
-        w = W[b * 8 + k];
+        w = _mm512_loadu_si512(W + b * 8 + k);
       for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xq[i][b * 8 + k]));
     }
     const __m512 ws = _mm512_loadu_ps(wsT + b * kTileN);
@@ -457,7 +451,7 @@ inline void tile_rows_any(int mr, const PackedTiles& p, int64_t t, const Quantiz
 // over the blocks, hadd's tree, then the remaining blocks), one output per lane.
 inline __m512 tile_min_terms(const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t i) {
   const int64_t nb = x.nb;
-  const float* wm = p.wm.data() + t * nb * kTileN;
+  const float* wm = p.wm + t * nb * kTileN;
   const float* s = x.s.data() + i * nb;
   auto term = [&](int64_t b) { return _mm512_loadu_ps(wm + b * kTileN); };
   __m512 a[8];
@@ -471,18 +465,20 @@ inline __m512 tile_min_terms(const PackedTiles& p, int64_t t, const QuantizedRow
   return r;
 }
 
-// y[M, N] for tiles [t0, t1) of the packed weight (N's remainder past the last tile: gemv).
-template <typename Fmt>
-void gemm(const Fmt& f, const PackedTiles& p, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
+// y[M, N] (N = tiles · 16) for tiles [t0, t1) of the packed weight.
+inline void gemm(const PackedTiles& p, const QuantizedRows& x, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t M = x.M;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kTileN;
     for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       __m512 acc[kTileRows];
-      tile_rows_any<!Fmt::kSigned, Fmt::kSigned>(mr, p, t, x, m0, acc);
+      if (p.nibbles)
+        tile_rows_any<true, false>(mr, p, t, x, m0, acc);
+      else
+        tile_rows_any<false, true>(mr, p, t, x, m0, acc);
       for (int i = 0; i < mr; ++i) {
-        const __m512 v = f.mins ? _mm512_add_ps(acc[i], tile_min_terms(p, t, x, m0 + i)) : acc[i];
+        const __m512 v = p.wm ? _mm512_add_ps(acc[i], tile_min_terms(p, t, x, m0 + i)) : acc[i];
         _mm512_storeu_ps(y + (m0 + i) * N + n0, v);
       }
     }

@@ -10,8 +10,8 @@
 //
 // Three paths, all threaded over output rows with at::parallel_for:
 // - int8 activations (q8 and q4, any M, the default; int8_dot.h): x quantized to int8 per 32-block
-//   once per call, exact integer dot products per block, as llama.cpp does; with AVX512-VNNI on
-//   the weight's packed 16-output tiles (built on its first call and cached below).
+//   once per call, integer dot products per block, as llama.cpp does; with AVX512-VNNI on weights
+//   packed at load into 16-output tiles (tiles_linear).
 // - M <= 4 (decode): each 32-weight block is dequantised into 4 registers once and used for all
 //   M input rows: the weight bytes are read once per call, which is what decode is bound by.
 // - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
@@ -25,9 +25,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "int8_dot.h"
@@ -251,82 +248,15 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
-#ifdef INT8DOT_ZMM
-// The packed tiles (int8_dot.h) of every weight the int8 path has met, built on its first call
-// (the engine makes those calls at start-up). An entry holds weak references to the weight and
-// scale tensors: a strong one would keep them alive for good (PyTorch preserves the Python
-// tensor while C++ holds it). A freed tensor's bytes may be reused by another, so an entry whose
-// tensors have expired is stale, and each new entry first drops the stale ones. The tiles cost
-// about the quantized weight's size again.
-using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-struct PackedEntry {
-  WeakTensor q, scale;
-  const void* scale_data;
-  int64_t rows, cols, group;
-  std::shared_ptr<const int8dot::PackedTiles> tiles;
-  bool live() const { return !q.expired() && !scale.expired(); }
-};
-inline std::mutex packed_mutex;
-inline std::unordered_map<const void*, PackedEntry> packed_entries;  // by the weight's address
-
+// x quantized to int8 once, then integer dot products (int8_dot.h) on a row-layout weight;
+// Fmt is int8dot::Q8Fmt/Q4Fmt. (Weights packed at load take tiles_linear below.)
 template <typename Fmt>
-std::shared_ptr<const int8dot::PackedTiles> packed_tiles(const Fmt& f, const torch::Tensor& q,
-                                                         const torch::Tensor& scale, int64_t group,
-                                                         int64_t N, int64_t nb) {
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  const auto found = packed_entries.find(q.data_ptr());
-  if (found != packed_entries.end()) {
-    const PackedEntry& e = found->second;
-    if (e.live() && e.scale_data == scale.data_ptr() && e.rows == q.size(0) && e.cols == q.size(1) && e.group == group)
-      return e.tiles;
-    packed_entries.erase(found);  // stale, or a view of the same bytes as another shape
-  }
-  for (auto it = packed_entries.begin(); it != packed_entries.end();)
-    it = it->second.live() ? std::next(it) : packed_entries.erase(it);
-  auto tiles = std::make_shared<const int8dot::PackedTiles>(
-      int8dot::pack_tiles(f, N, nb, [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); }));
-  packed_entries.emplace(q.data_ptr(), PackedEntry{WeakTensor(q.getIntrusivePtr()), WeakTensor(scale.getIntrusivePtr()),
-                                                   scale.data_ptr(), q.size(0), q.size(1), group, tiles});
-  return tiles;
-}
-#endif
-
-// Bytes held by the packed tiles of the weights still alive (0 without AVX512-VNNI).
-inline int64_t packed_tile_bytes() {
-#ifdef INT8DOT_ZMM
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  int64_t total = 0;
-  for (const auto& [key, e] : packed_entries)
-    if (e.live()) total += static_cast<int64_t>(e.tiles->bytes());
-  return total;
-#else
-  return 0;
-#endif
-}
-
-// x quantized to int8 once, then integer dot products (int8_dot.h); Fmt is int8dot::Q8Fmt/Q4Fmt,
-// over the weight `q` with `scale` (the packed tiles' cache key).
-template <typename Fmt>
-torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N, const torch::Tensor& q,
-                       const torch::Tensor& scale, int64_t group) {
+torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   const int8dot::QuantizedRows qx = int8dot::quantize_rows(
       x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
   float* yp = y.data_ptr<float>();
-#ifdef INT8DOT_ZMM
-  // Same numbers per (row, output) either way (int8_dot.h): the tiles for every row count, the
-  // one-row kernel for the outputs past the last whole tile.
-  if (N >= int8dot::kTileN) {
-    const auto tiles = packed_tiles(f, q, scale, group, N, qx.nb);
-    const int64_t done = tiles->tiles * int8dot::kTileN;
-    at::parallel_for(0, tiles->tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(f, *tiles, qx, yp, N, t0, t1); });
-    if (done < N) int8dot::gemv(f, qx, yp, N, done, N);
-    return y;
-  }
-#else
-  (void)q, (void)scale, (void)group;
-#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8dot::gemv(f, qx, yp, N, n0, n1); });
   return y;
 }
@@ -357,9 +287,9 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, i
   if (int8_x && x.size(0) > 0) {
     if (scale.scalar_type() == torch::kFloat16)
       return run_int8(int8dot::Q8Fmt<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(),
-                                                nullptr, K, K / group, group / 32}, x, N, q, scale, group);
+                                                nullptr, K, K / group, group / 32}, x, N);
     return run_int8(int8dot::Q8Fmt<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr,
-                                           K, K / group, group / 32}, x, N, q, scale, group);
+                                           K, K / group, group / 32}, x, N);
   }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q8<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, K / group,
@@ -382,9 +312,9 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
     if (scale.scalar_type() == torch::kFloat16)
       return run_int8(int8dot::Q4Fmt<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
                                                 mins.data_ptr<at::Half>(), K, K / group, group / 32},
-                      x, N, q, scale, group);
+                      x, N);
     return run_int8(int8dot::Q4Fmt<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                           mins.data_ptr<float>(), K, K / group, group / 32}, x, N, q, scale, group);
+                                           mins.data_ptr<float>(), K, K / group, group / 32}, x, N);
   }
   if (scale.scalar_type() == torch::kFloat16)
     return run(Q4<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
@@ -402,6 +332,89 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "fp8 scales must be fp32");
   return run(FP8{static_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(), K, K / group,
                  group / 32}, x, N);
+}
+
+
+// ---- packed tiles (int8_dot.h): the layout int8 / int4 weights take at load with AVX512-VNNI ----
+constexpr bool kHasTiles =
+#ifdef INT8DOT_ZMM
+    true;
+#else
+    false;
+#endif
+
+// [w, ws, wm]: the weight q (int8 [N, K] or uint8 [N, K / 2], N a multiple of 16) with its
+// scales (and mins) in gemm's layout: w has q's dtype, shape and byte count; ws and wm are fp32
+// [N / 16, K / 32, 16] (wm empty without mins).
+std::vector<torch::Tensor> pack_int8_tiles(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> mins,
+                                           int64_t group) {
+  TORCH_CHECK(kHasTiles, "packed int8 tiles need AVX512-VNNI");
+  const bool q8 = q.scalar_type() == torch::kInt8;
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() && (q8 || q.scalar_type() == torch::kUInt8),
+              "q must be a contiguous CPU int8 [N, K] or uint8 [N, K / 2] tensor");
+  const int64_t N = q.size(0), K = q8 ? q.size(1) : 2 * q.size(1), nb = K / 32;
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "packed tiles need N % 16 == 0 and K % 32 == 0");
+  check_groups(scale, N, K, group);
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(!q8 || !has_mins, "int8 weights have no mins");
+  TORCH_CHECK(q8 || has_mins, "int4 weights need their mins");
+  if (has_mins)
+    TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type() && mins->is_contiguous(),
+                "mins must match scales");
+  auto w = torch::empty_like(q);
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto ws = torch::empty({N / 16, nb, 16}, f32);
+  auto wm = has_mins ? torch::empty({N / 16, nb, 16}, f32) : torch::empty({0}, f32);
+#ifdef INT8DOT_ZMM
+  auto wp = reinterpret_cast<__m512i*>(w.data_ptr());
+  float* mp = has_mins ? wm.data_ptr<float>() : nullptr;
+  auto par = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
+  const bool half = scale.scalar_type() == torch::kFloat16;
+  if (q8 && half)
+    int8dot::pack_tiles(int8dot::Q8Fmt<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / group, group / 32},
+                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+  else if (q8)
+    int8dot::pack_tiles(int8dot::Q8Fmt<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, K, K / group, group / 32},
+                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+  else if (half)
+    int8dot::pack_tiles(int8dot::Q4Fmt<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                                                 mins->data_ptr<at::Half>(), K, K / group, group / 32},
+                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+  else
+    int8dot::pack_tiles(int8dot::Q4Fmt<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                              mins->data_ptr<float>(), K, K / group, group / 32},
+                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+#endif
+  return {w, ws, wm};
+}
+
+// x [M, K] · the packed weight^T → [M, N], with int8 activations (the only path tiles have).
+torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, torch::Tensor wm) {
+  TORCH_CHECK(kHasTiles, "packed int8 tiles need AVX512-VNNI");
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.dim() == 3 && ws.size(1) == nb &&
+                  ws.size(2) == 16,
+              "tile scales must be contiguous fp32 [N / 16, K / 32, 16]");
+  const int64_t tiles = ws.size(0), N = tiles * 16;
+  const bool nibbles = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(w.is_contiguous() && w.numel() == N * (nibbles ? K / 2 : K) &&
+                  (nibbles || w.scalar_type() == torch::kInt8),
+              "tile weights must be the packed int8 [N, K] or uint8 [N, K / 2]");
+  const bool has_mins = wm.numel() > 0;
+  TORCH_CHECK(!has_mins || (wm.sizes() == ws.sizes() && wm.scalar_type() == torch::kFloat32 && wm.is_contiguous()),
+              "tile mins must match the tile scales");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef INT8DOT_ZMM
+  const int8dot::QuantizedRows qx = int8dot::quantize_rows(
+      x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
+  const int8dot::PackedTiles p{tiles, nb, nibbles, reinterpret_cast<const __m512i*>(w.data_ptr()),
+                               ws.data_ptr<float>(), has_mins ? wm.data_ptr<float>() : nullptr};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(p, qx, yp, N, t0, t1); });
+#endif
+  return y;
 }
 
 }  // namespace
