@@ -78,3 +78,13 @@ def test_llama_cpp_peer_is_optional(tiny_llama_gguf, restore_threads, capsys) ->
 def test_bad_flags_are_clear_errors(tiny_llama_hf, flags, message, capsys) -> None:
     assert main(["bench", "latency", "--model", str(tiny_llama_hf.path), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_pool_size_reads_like_serves(tiny_llama_hf, capsys) -> None:
+    """`--kv-cache-memory` takes sizes as `inferd serve` does (it took bare integers only)."""
+    base = ["bench", "latency", "--model", str(tiny_llama_hf.path), "--runs", "1", "--peers", "none"]
+    assert main([*base, "--kv-cache-memory", "4MiB", "--input-len", "8", "--output-len", "3"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--kv-cache-memory", "lots"])
+    assert e.value.code == 2 and "not a byte size" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from inferd.bench.roofline import (
     matvec_n_for,
     measure_roofline,
 )
+from inferd.engine_args import parse_bytes
 
 
 def summarize(
@@ -96,9 +97,14 @@ def run_latency(args: argparse.Namespace) -> dict:
     prompts = [synthetic_prompt(loaded.tokenizer, n_in, seed=i) for i in range(b)]
     # One prefill step for the whole batch (so the first stamp is the prefill's end), no prefix
     # cache (every run computes its prompts), a pool that holds the batch.
+    kv_memory = args.kv_cache_memory
+    if kv_memory is None:  # the whole batch at its full length, with a block of slack per sequence
+        kv_memory = max(
+            256 << 20, b * (n_in + n_out + 64) * loaded.config.kv_bytes_per_token(torch.float32)
+        )
     llm = LLM(loaded=loaded, verbose=False, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
-              enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+              enable_prefix_caching=False, kv_cache_memory=kv_memory)  # fmt: skip
     engine = llm.engine
     cost = engine_step_cost(engine)
     # The matrix-vector ceiling over as many bytes as a step's weights: where they live (a cache
@@ -185,5 +191,10 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (noisy machines)")
-    p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV pool size (e.g. 1GiB; default: what the batch needs, 256 MiB at least)",
+    )
     p.set_defaults(func=run_latency)

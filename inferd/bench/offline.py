@@ -16,6 +16,7 @@ import torch
 
 from inferd.bench.common import add_model_args, set_threads
 from inferd.bench.scenarios import SCENARIOS, BenchContext
+from inferd.engine_args import parse_bytes
 
 
 def run_offline(args: argparse.Namespace) -> dict:
@@ -81,6 +82,9 @@ def add_offline_parser(sub) -> None:
                    help="comma list of context lengths, 'max' = the model's (long-context)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
-        "--kv-cache-memory", type=int, default=None, help="KV pool bytes (default: engine's auto)"
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV pool size, e.g. 1GiB (default: the engine's own)",
     )
     p.set_defaults(func=run_offline)

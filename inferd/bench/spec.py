@@ -20,6 +20,8 @@ import json
 import statistics
 import time
 
+from inferd.engine_args import parse_bytes
+
 PASSAGES = (
     "The lighthouse stood at the end of the harbor wall for two hundred years. Every evening the "
     "keeper climbed the ninety steps, trimmed the wick and wound the clockwork that turned the "
@@ -196,6 +198,6 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")
     p.add_argument("--batch-draft", action="store_true", help="include draft-model configs in the batch run")
-    p.add_argument("--kv-cache-memory", type=int, default=512 << 20,
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=512 << 20,
                    help="KV cache bytes of each config's engine (all stay loaded)")
     p.set_defaults(func=run_spec)
