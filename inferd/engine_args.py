@@ -11,6 +11,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
 
 
+KV_CACHE_DTYPES = ["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1073741824' → bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
@@ -39,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size in bytes (e.g. 2GiB); default: a share of free memory")  # fmt: skip
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto = the model dtype; int8 / fp8 (e4m3) / fp8_e5m2 = one "
                         "byte per element + a scale per token and head (~4x the tokens of fp32)")  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

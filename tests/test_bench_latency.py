@@ -81,10 +81,13 @@ def test_bad_flags_are_clear_errors(tiny_llama_hf, flags, message, capsys) -> No
 
 
 def test_kv_pool_size_reads_like_serves(tiny_llama_hf, capsys) -> None:
-    """`--kv-cache-memory` takes sizes as `inferd serve` does (it took bare integers only)."""
+    """`--kv-cache-memory` takes sizes as `inferd serve` does (it took bare integers only), and
+    `--kv-cache-dtype` picks the KV storage as it does."""
     base = ["bench", "latency", "--model", str(tiny_llama_hf.path), "--runs", "1", "--peers", "none"]
     assert main([*base, "--kv-cache-memory", "4MiB", "--input-len", "8", "--output-len", "3"]) == 0
     capsys.readouterr()
+    assert main([*base, "--kv-cache-dtype", "int8", "--input-len", "8", "--output-len", "3"]) == 0
+    assert _report(capsys)["kv_cache_dtype"] == "int8"
     with pytest.raises(SystemExit) as e:
         main([*base, "--kv-cache-memory", "lots"])
     assert e.value.code == 2 and "not a byte size" in capsys.readouterr().err

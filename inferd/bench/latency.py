@@ -25,7 +25,8 @@ from inferd.bench.roofline import (
     matvec_n_for,
     measure_roofline,
 )
-from inferd.engine_args import parse_bytes
+from inferd.engine_args import KV_CACHE_DTYPES, parse_bytes
+from inferd.kv.kv_cache import kv_bytes_per_token
 
 
 def summarize(
@@ -99,12 +100,12 @@ def run_latency(args: argparse.Namespace) -> dict:
     # cache (every run computes its prompts), a pool that holds the batch.
     kv_memory = args.kv_cache_memory
     if kv_memory is None:  # the whole batch at its full length, with a block of slack per sequence
-        kv_memory = max(
-            256 << 20, b * (n_in + n_out + 64) * loaded.config.kv_bytes_per_token(torch.float32)
-        )
+        per_token = kv_bytes_per_token(loaded.config, torch.float32, args.kv_cache_dtype)
+        kv_memory = max(256 << 20, b * (n_in + n_out + 64) * per_token)
     llm = LLM(loaded=loaded, verbose=False, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
-              enable_prefix_caching=False, kv_cache_memory=kv_memory)  # fmt: skip
+              enable_prefix_caching=False, kv_cache_memory=kv_memory,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = llm.engine
     cost = engine_step_cost(engine)
     # The matrix-vector ceiling over as many bytes as a step's weights: where they live (a cache
@@ -163,7 +164,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     }
     report: dict = {
         "bench": "latency", "model": str(path), "quantization": args.quantization,
-        "dtype": str(engine.dtype).removeprefix("torch."), "batch_size": b, "input_len": n_in,
+        "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_size": b, "input_len": n_in,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
         "roofline": roof.as_dict(), "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
@@ -197,4 +199,6 @@ def add_latency_parser(sub) -> None:
         default=None,
         help="KV pool size (e.g. 1GiB; default: what the batch needs, 256 MiB at least)",
     )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="inferd's KV storage (auto: the model dtype; llama.cpp keeps fp16)")  # fmt: skip
     p.set_defaults(func=run_latency)
