@@ -51,7 +51,6 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.qweight.shape}, {self.qweight.format} ({self.qweight.source})"
 
 
-
 def pack_quantized_weights(model: nn.Module) -> int:
     """Rearrange every int8 / int4 `QuantizedLinear` weight into the packed tiles of the
     AVX512-VNNI kernels (`formats.pack_tiles`), in place of the row layout: no second copy. A
