@@ -137,6 +137,9 @@ def _int_weights():
         for group in (32, 64, 128):
             if k % group == 0:
                 yield quantize(w, "int4", group)
+        for qtype in ("Q4_1", "Q4_0"):  # GGUF's own blocks: fp16 scales and mins
+            raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+            yield from_gguf_blocks(raw, qtype, tuple(w.shape))
 
 
 def _int_call(ext, x, qw):

@@ -42,8 +42,8 @@ class QuantizedWeight:
     source: str = ""  # e.g. "GGUF Q4_1": where the quantization came from
     # "rows": data [N, K] (int4: [N, K / 2]) and scales/mins [N, K / group], as shipped.
     # "tiles": packed at load for the AVX512-VNNI kernels (`pack_tiles`): data has the same bytes
-    # rearranged, scales/mins are fp32 [N / 16, K / 32, 16] (one per 32-block; `group` is still
-    # the quantization's). Only the int8-activation path and `dequantize_rows` read it.
+    # rearranged, scales/mins [N / 16, K / 32, 16] in their own dtype (one per 32-block; `group`
+    # is still the quantization's). The int8-activation path, `dequantize_rows` and `rows()` read it.
     layout: str = "rows"
 
     @property

@@ -332,7 +332,8 @@ struct Q4Fmt {
 // instructions per row per 512 multiply-adds, with the tile's registers read straight from
 // memory. q8 weights enter as qw + 128 (unsigned) and the accumulator starts at -128 · Σ q; q4
 // keeps two registers' nibbles in one byte (low: k, high: k + 4), so the packed bytes are as many
-// as the row layout's. Scales (and int4 mins) are fp32 per block: [tile][block][16].
+// as the row layout's. Scales (and int4 mins) are per block, [tile][block][16], in the type the
+// weight came with (GGUF's fp16, or fp32).
 constexpr int kTileN = 16;    // output rows per tile: one per lane
 constexpr int kTileRows = 8;  // activation rows per register block
 
@@ -341,9 +342,16 @@ struct PackedTiles {
   int64_t tiles, nb;
   bool nibbles;          // q4: 4 registers per block, else 8 (q8)
   const __m512i* w;      // [tile][block][4 or 8]
-  const float* ws;       // [tile][block][16]: each output's weight scale, per block
-  const float* wm;       // the same for the mins; nullptr without
+  const void* ws;        // [tile][block][16]: each output's weight scale, per block
+  const void* wm;        // the same for the mins; nullptr without
+  bool half;             // ws / wm hold fp16 (as the file shipped them), else fp32
 };
+
+// The 16 scales (or mins) at [tile][block] of a packed weight, as fp32 (fp16 converts exactly).
+inline __m512 tile_scales(const void* base, int64_t at, bool half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+}
 
 // 8x8 transpose of 32-bit elements within each 256-bit half of z[0..7].
 inline void transpose8_halves(__m512i z[8]) {
@@ -368,9 +376,10 @@ inline void transpose8_halves(__m512i z[8]) {
 }
 
 // Outputs [0, N) (N a multiple of 16) of the weight into gemm's layout: w [tiles][nb][4 or 8]
-// registers, ws and wm (nullptr without mins) [tiles][nb][16]; `parallel(n, fn)` over tiles.
-template <typename Fmt, typename Parallel>
-void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, float* ws, float* wm, Parallel parallel) {
+// registers, ws and wm (nullptr without mins) [tiles][nb][16] in the scales' own type S (values
+// copied, never rounded); `parallel(n, fn)` over tiles.
+template <typename Fmt, typename S, typename Parallel>
+void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, S* ws, S* wm, Parallel parallel) {
   const int regs = Fmt::kSigned ? 8 : 4;
   parallel(N / kTileN, [&](int64_t t0, int64_t t1) {
     std::vector<float> scales(kTileN * nb), mins(kTileN * nb);
@@ -382,8 +391,8 @@ void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, float* ws, floa
       }
       for (int64_t b = 0; b < nb; ++b) {
         for (int j = 0; j < kTileN; ++j) {
-          ws[(t * nb + b) * kTileN + j] = scales[j * nb + b];
-          if (wm) wm[(t * nb + b) * kTileN + j] = mins[j * nb + b];
+          ws[(t * nb + b) * kTileN + j] = static_cast<S>(scales[j * nb + b]);
+          if (wm) wm[(t * nb + b) * kTileN + j] = static_cast<S>(mins[j * nb + b]);
         }
         __m512i z[8];
         for (int j = 0; j < 8; ++j)
@@ -407,7 +416,7 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
   const int64_t nb = x.nb, K = x.K;
   constexpr int kRegs = Nibbles ? 4 : 8;
   const __m512i* W = p.w + t * nb * kRegs;
-  const float* wsT = p.ws + t * nb * kTileN;
+  const int64_t ws_at = t * nb * kTileN;
   const int32_t* xq[MR];
   for (int i = 0; i < MR; ++i) {
     xq[i] = reinterpret_cast<const int32_t*>(x.q.data() + (m0 + i) * K);
@@ -427,7 +436,7 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
         w = _mm512_loadu_si512(W + b * 8 + k);
       for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xq[i][b * 8 + k]));
     }
-    const __m512 ws = _mm512_loadu_ps(wsT + b * kTileN);
+    const __m512 ws = tile_scales(p.ws, ws_at + b * kTileN, p.half);
     for (int i = 0; i < MR; ++i)
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(x.d[(m0 + i) * nb + b])), acc[i]);
   }
@@ -451,9 +460,9 @@ inline void tile_rows_any(int mr, const PackedTiles& p, int64_t t, const Quantiz
 // over the blocks, hadd's tree, then the remaining blocks), one output per lane.
 inline __m512 tile_min_terms(const PackedTiles& p, int64_t t, const QuantizedRows& x, int64_t i) {
   const int64_t nb = x.nb;
-  const float* wm = p.wm + t * nb * kTileN;
+  const int64_t at = t * nb * kTileN;
   const float* s = x.s.data() + i * nb;
-  auto term = [&](int64_t b) { return _mm512_loadu_ps(wm + b * kTileN); };
+  auto term = [&](int64_t b) { return tile_scales(p.wm, at + b * kTileN, p.half); };
   __m512 a[8];
   for (int l = 0; l < 8; ++l) a[l] = _mm512_setzero_ps();
   int64_t k = 0;

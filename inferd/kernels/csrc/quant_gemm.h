@@ -344,8 +344,8 @@ constexpr bool kHasTiles =
 #endif
 
 // [w, ws, wm]: the weight q (int8 [N, K] or uint8 [N, K / 2], N a multiple of 16) with its
-// scales (and mins) in gemm's layout: w has q's dtype, shape and byte count; ws and wm are fp32
-// [N / 16, K / 32, 16] (wm empty without mins).
+// scales (and mins) in gemm's layout: w has q's dtype, shape and byte count; ws and wm have the
+// scales' dtype (fp16 or fp32), [N / 16, K / 32, 16] (wm empty without mins).
 std::vector<torch::Tensor> pack_int8_tiles(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> mins,
                                            int64_t group) {
   TORCH_CHECK(kHasTiles, "packed int8 tiles need AVX512-VNNI");
@@ -362,28 +362,27 @@ std::vector<torch::Tensor> pack_int8_tiles(torch::Tensor q, torch::Tensor scale,
     TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type() && mins->is_contiguous(),
                 "mins must match scales");
   auto w = torch::empty_like(q);
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  auto ws = torch::empty({N / 16, nb, 16}, f32);
-  auto wm = has_mins ? torch::empty({N / 16, nb, 16}, f32) : torch::empty({0}, f32);
+  auto st = torch::TensorOptions().dtype(scale.scalar_type());
+  auto ws = torch::empty({N / 16, nb, 16}, st);
+  auto wm = has_mins ? torch::empty({N / 16, nb, 16}, st) : torch::empty({0}, st);
 #ifdef INT8DOT_ZMM
   auto wp = reinterpret_cast<__m512i*>(w.data_ptr());
-  float* mp = has_mins ? wm.data_ptr<float>() : nullptr;
   auto par = [](int64_t n, auto fn) { at::parallel_for(0, n, 1, fn); };
   const bool half = scale.scalar_type() == torch::kFloat16;
   if (q8 && half)
     int8dot::pack_tiles(int8dot::Q8Fmt<at::Half>{q.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), nullptr, K, K / group, group / 32},
-                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+                        N, nb, wp, ws.data_ptr<at::Half>(), static_cast<at::Half*>(nullptr), par);
   else if (q8)
     int8dot::pack_tiles(int8dot::Q8Fmt<float>{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, K, K / group, group / 32},
-                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+                        N, nb, wp, ws.data_ptr<float>(), static_cast<float*>(nullptr), par);
   else if (half)
     int8dot::pack_tiles(int8dot::Q4Fmt<at::Half>{q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
                                                  mins->data_ptr<at::Half>(), K, K / group, group / 32},
-                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+                        N, nb, wp, ws.data_ptr<at::Half>(), wm.data_ptr<at::Half>(), par);
   else
     int8dot::pack_tiles(int8dot::Q4Fmt<float>{q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                                               mins->data_ptr<float>(), K, K / group, group / 32},
-                        N, nb, wp, ws.data_ptr<float>(), mp, par);
+                        N, nb, wp, ws.data_ptr<float>(), wm.data_ptr<float>(), par);
 #endif
   return {w, ws, wm};
 }
@@ -393,16 +392,17 @@ torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, t
   TORCH_CHECK(kHasTiles, "packed int8 tiles need AVX512-VNNI");
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
-  TORCH_CHECK(ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.dim() == 3 && ws.size(1) == nb &&
-                  ws.size(2) == 16,
-              "tile scales must be contiguous fp32 [N / 16, K / 32, 16]");
+  const bool half = ws.scalar_type() == torch::kFloat16;
+  TORCH_CHECK((half || ws.scalar_type() == torch::kFloat32) && ws.is_contiguous() && ws.dim() == 3 &&
+                  ws.size(1) == nb && ws.size(2) == 16,
+              "tile scales must be contiguous fp16 or fp32 [N / 16, K / 32, 16]");
   const int64_t tiles = ws.size(0), N = tiles * 16;
   const bool nibbles = w.scalar_type() == torch::kUInt8;
   TORCH_CHECK(w.is_contiguous() && w.numel() == N * (nibbles ? K / 2 : K) &&
                   (nibbles || w.scalar_type() == torch::kInt8),
               "tile weights must be the packed int8 [N, K] or uint8 [N, K / 2]");
   const bool has_mins = wm.numel() > 0;
-  TORCH_CHECK(!has_mins || (wm.sizes() == ws.sizes() && wm.scalar_type() == torch::kFloat32 && wm.is_contiguous()),
+  TORCH_CHECK(!has_mins || (wm.sizes() == ws.sizes() && wm.scalar_type() == ws.scalar_type() && wm.is_contiguous()),
               "tile mins must match the tile scales");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -410,7 +410,7 @@ torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, t
   const int8dot::QuantizedRows qx = int8dot::quantize_rows(
       x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
   const int8dot::PackedTiles p{tiles, nb, nibbles, reinterpret_cast<const __m512i*>(w.data_ptr()),
-                               ws.data_ptr<float>(), has_mins ? wm.data_ptr<float>() : nullptr};
+                               ws.data_ptr(), has_mins ? wm.data_ptr() : nullptr, half};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(p, qx, yp, N, t0, t1); });
 #endif
