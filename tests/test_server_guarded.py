@@ -123,7 +123,10 @@ def test_queue_full_is_503(server: RemoteServer, http: httpx.Client) -> None:
         a_client.stream("POST", "/v1/completions", json=long) as a,
     ):
         assert a.status_code == 200
-        next(line for line in a.iter_lines() if line.startswith("data: "))  # A is running
+        # Hold A's line iterator: one dropped after its first line closes the stream, the server
+        # aborts A, and B may be admitted before the third request (the test then raced).
+        a_lines = a.iter_lines()
+        next(line for line in a_lines if line.startswith("data: "))  # A is running
         # max-num-seqs 1: B is accepted (headers come back) but must wait behind A.
         with b_client.stream("POST", "/v1/completions", json=long) as b:
             assert b.status_code == 200
@@ -133,6 +136,7 @@ def test_queue_full_is_503(server: RemoteServer, http: httpx.Client) -> None:
             )
             err = assert_error(third, 503)
             assert err["code"] == "queue_full" and "--max-queue-len" in err["message"]
+            assert metric(http.get("/metrics").text, "inferd:num_requests_waiting") == 1  # B, behind A
     # Both streams were abandoned: once the server has noticed, the engine is free again.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
