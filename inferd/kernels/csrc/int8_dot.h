@@ -163,7 +163,6 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-
 #ifdef INT8DOT_ZMM
 // Lane j of the result: the sum of v[j]'s 8 lanes. Integers, so exact in any order.
 inline __m256i hsum8_i32(const __m256i v[8]) {
@@ -182,8 +181,9 @@ inline __m256i hsum8_i32(const __m256i v[8]) {
 // One conversion and one FMA per block, where converting each 4-product lane cost 8 of each.
 
 // y[M, N] for output rows [n0, n1), 8 at a time (a short last group repeats its last row and
-// stores only its own). Fmt has `scales`, `mins` (nullptr for q8), the group layout and
-// `row(n)` / `block(row, b)`.
+// stores only its own), on a weight still in the row layout (one the engine did not pack: an
+// output count that is not a multiple of 16, or a direct kernel call). Fmt has `scales`, `mins`
+// (nullptr for q8), the group layout and `row(n)` / `block(row, b)`.
 template <typename Fmt>
 void gemv(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t M = x.M, nb = x.nb, K = x.K;
@@ -225,7 +225,7 @@ void gemv(const Fmt& f, const QuantizedRows& x, float* y, int64_t N, int64_t n0,
 // Without AVX512-VNNI (the AVX2 build: gemv is its only int8 kernel) the numbers are the lane-wise
 // ones llama.cpp-style kernels use: each block's 8 four-product lanes converted, scaled and
 // FMA'd into 8 lanes per row, reduced by hadd at the end. Summing each block exactly first (the
-// tiles' numbers, below) costs ~35% more instructions here, where no tile path amortises it.
+// tiles' numbers, above) costs ~35% more instructions here, where no tile path amortises it.
 // Rows [m0, m0 + MR) of x against output row n: scale[b] = weight scale · activation scale of
 // block b for row m0 (row i's at scale + i * nb); two accumulators per row hide the FMA latency.
 template <int MR, typename Fmt>
