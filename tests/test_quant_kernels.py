@@ -252,7 +252,7 @@ def test_kernels_build_where_they_can():
 
 def _tiles_ext():
     ext = extension()
-    if ext is None or not ext.has_tiles:
+    if ext is None or not ext.has_int8_gemm:
         pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
     return ext
 
@@ -282,7 +282,7 @@ def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
                                _int_call(ext, x, qw)), (qw.source, qw.shape, m)  # fmt: skip
 
 
-def test_engine_packs_its_quantized_weights_in_place(tiny_models) -> None:
+def test_engine_packs_its_quantized_weights_in_place(tiny_models, monkeypatch) -> None:
     """At start-up the engine packs its int8 / int4 matmuls into tiles instead of keeping a second
     copy, and generates what the row layout generates."""
     from inferd import LLM, SamplingParams
@@ -295,14 +295,10 @@ def test_engine_packs_its_quantized_weights_in_place(tiny_models) -> None:
     prompts = ["The quick brown fox jumps over", "A paged KV cache stores"]
 
     def run(pack: bool):
-        if not pack:
-            real = model_runner.pack_quantized_weights
-            model_runner.pack_quantized_weights = lambda model: 0
-        try:
+        with monkeypatch.context() as m:
+            if not pack:  # the row layout, as an engine without the VNNI tiles keeps it
+                m.setattr(model_runner, "pack_quantized_weights", lambda model: 0)
             llm = LLM(path, quantization="int4", verbose=False, kv_cache_memory=4 << 20)
-        finally:
-            if not pack:
-                model_runner.pack_quantized_weights = real
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return linears, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

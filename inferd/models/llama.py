@@ -34,11 +34,6 @@ _LINEAR_KINDS = {"int8": 1, "int4": 2, "fp8": 3}  # decoder::LinearWeights::Kind
 _TILES_KIND = 4  # int8 / int4 packed at load (formats.pack_tiles)
 
 
-def _int8_activations(ext) -> bool:
-    """What quantized_matmul does by default: int8 activations where the kernels have tiles."""
-    return ext.has_int8_gemm if formats.INT8_ACTIVATIONS is None else formats.INT8_ACTIVATIONS
-
-
 def _linear_weights(ext, module: nn.Module):
     if isinstance(module, QuantizedLinear):
         w = module.qweight
@@ -143,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         kg = meta.kernel_group
         if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
                 and x.dtype == torch.float32 and type(kv_caches[0][0]) is torch.Tensor
-                and (not self._tiles or _int8_activations(kg.kernel))):  # fmt: skip
+                and (not self._tiles or formats.int8_activations_default(kg.kernel))):  # fmt: skip
             return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, rope, kv, meta)
@@ -162,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
             ]  # fmt: skip
         cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
         shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                 cfg.rms_norm_eps, attn.scale, _int8_activations(ext))  # fmt: skip
+                                 cfg.rms_norm_eps, attn.scale, formats.int8_activations_default(ext))  # fmt: skip
         return ext.decode_layers(
             x, self._fused_layers, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], rope[0],
             rope[1], meta.slot_mapping, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape,

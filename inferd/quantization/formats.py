@@ -151,7 +151,7 @@ def pack_tiles(w: QuantizedWeight) -> QuantizedWeight | None:
     (no such kernels, fp8, an output count that is not a multiple of 16, another device)."""
     ext = _kernels()
     n, k = w.shape
-    if (ext is None or not ext.has_tiles or w.layout != "rows" or w.format not in ("int8", "int4")
+    if (ext is None or not ext.has_int8_gemm or w.layout != "rows" or w.format not in ("int8", "int4")
             or n % 16 or k % 32 or not w.data.is_cpu):  # fmt: skip
         return None
     data, scales, mins = ext.pack_int8_tiles(w.data, w.scales, w.mins, w.group)
@@ -353,7 +353,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
             flat = x.dim() == 2
             x2 = x if flat else x.reshape(-1, w.shape[1])
             if int8_activations is None:
-                int8_activations = INT8_ACTIVATIONS if INT8_ACTIVATIONS is not None else ext.has_int8_gemm
+                int8_activations = int8_activations_default(ext)
             if int8_activations and w.format != "fp8":
                 y = _kernel_call(ext, x2 if x2.is_contiguous() else x2.contiguous(), w, True)
             elif w.layout == "tiles":  # fp32 activations on a packed weight: dequantise (slow)
@@ -365,6 +365,12 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
                 y = _kernel_call(ext, x2.contiguous(), w)
             return y if flat else y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, dequantize_rows(w).to(x.dtype))
+
+
+def int8_activations_default(ext) -> bool:
+    """Whether int8 / int4 matmuls take int8 activations now: INT8_ACTIVATIONS where set, else
+    where the kernels have the VNNI tiles (`ext.has_int8_gemm`)."""
+    return ext.has_int8_gemm if INT8_ACTIVATIONS is None else INT8_ACTIVATIONS
 
 
 _NO_MINS = torch.empty(0)

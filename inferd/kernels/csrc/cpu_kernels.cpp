@@ -17,12 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"),
         py::arg("int8_x") = false);
   // With an empty x [0, K] each returns the dequantised weight [N, K] instead.
-  // Packed 16-output tiles (AVX512-VNNI builds): the layout int8 / int4 weights take at load.
-  m.attr("has_tiles") = quant_gemm::kHasTiles;
-  m.def("pack_int8_tiles", &quant_gemm::pack_int8_tiles, "[w, ws, wm]: q, scales, mins in the tiles' layout",
-        py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
-  m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
-        py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
   m.def("fp8_linear", &quant_gemm::fp8_linear, "x[M,K] · dequant(E4M3 with a scale per group)^T");
   // Whether many-row calls have integer tiles (AVX512-VNNI): without, int8 activations make
   // prefill ~2x slower, so they are not the default there.
@@ -31,6 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_int8_gemm") = false;
 #endif
+  // The packed 16-output tiles those builds run (int8_dot.h): the layout int8 / int4 weights take
+  // at load there (formats.pack_tiles); elsewhere both raise.
+  m.def("pack_int8_tiles", &quant_gemm::pack_int8_tiles, "[w, ws, wm]: q, scales, mins in the tiles' layout",
+        py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
+  m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
+        py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
 
   m.def("paged_attention_short", &paged_attn::paged_attention_short,
         "paged attention for short queries (CPU, fp32)");

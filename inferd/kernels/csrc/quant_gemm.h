@@ -248,14 +248,18 @@ torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
+// x [M, K] rounded to int8 per 32-block, once per call, for the integer kernels.
+inline int8dot::QuantizedRows quantize_x(const torch::Tensor& x) {
+  return int8dot::quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1),
+                                [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
+}
+
 // x quantized to int8 once, then integer dot products (int8_dot.h) on a row-layout weight;
 // Fmt is int8dot::Q8Fmt/Q4Fmt. (Weights packed at load take tiles_linear below.)
 template <typename Fmt>
 torch::Tensor run_int8(const Fmt& f, const torch::Tensor& x, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  const int8dot::QuantizedRows qx = int8dot::quantize_rows(
-      x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const int8dot::QuantizedRows qx = quantize_x(x);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int8dot::gemv(f, qx, yp, N, n0, n1); });
   return y;
@@ -334,7 +338,6 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
                  group / 32}, x, N);
 }
 
-
 // ---- packed tiles (int8_dot.h): the layout int8 / int4 weights take at load with AVX512-VNNI ----
 constexpr bool kHasTiles =
 #ifdef INT8DOT_ZMM
@@ -407,8 +410,7 @@ torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, t
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef INT8DOT_ZMM
-  const int8dot::QuantizedRows qx = int8dot::quantize_rows(
-      x.data_ptr<float>(), M, K, [](int64_t rows, auto fn) { at::parallel_for(0, rows, 16, fn); });
+  const int8dot::QuantizedRows qx = quantize_x(x);
   const int8dot::PackedTiles p{tiles, nb, nibbles, reinterpret_cast<const __m512i*>(w.data_ptr()),
                                ws.data_ptr(), has_mins ? wm.data_ptr() : nullptr, half};
   float* yp = y.data_ptr<float>();
