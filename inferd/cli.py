@@ -249,10 +249,15 @@ def _process_start_time() -> float:
 _MODULE_IMPORTED = time.time()
 
 
+def configure_logging(level: int | str) -> None:
+    """The log format of every inferd process (the engine process of `serve` calls it too)."""
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)  # fmt: skip
+    configure_logging(args.log_level.upper())
     try:
         result = args.func(args)
         return result if isinstance(result, int) else 0

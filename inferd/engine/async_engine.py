@@ -1,135 +1,174 @@
-"""AsyncEngine: runs `EngineCore` in its own thread and streams per-step deltas to an asyncio loop.
+"""AsyncEngine: the asyncio face of the engine. It streams per-step deltas to the event loop while
+the engine loop (`engine_loop.py`) runs elsewhere: in a process of its own (`inferd serve`'s
+default, as vLLM V1 does), or on a thread of this process.
 
-Contract: `EngineCore` is not thread-safe, so *every* call into it (construction included) happens
-on the engine thread. The asyncio side only puts commands (add, abort) on a thread-safe inbox, which
-the thread drains at the top of each loop iteration, and receives one batch of updates per step via
-`loop.call_soon_threadsafe`. A step therefore never waits on a socket, and a slow client never
-stalls generation: its updates simply queue up in its own `RequestStream`.
+    asyncio loop                                  engine loop (its own process, or a thread)
+    ------------                                  -----------
+    add_request() ── AddRequest ──────────────►   EngineCore.add_request()
+                  ◄─ Replies (accepted | refused)
+    abort()       ── AbortRequest ────────────►   EngineCore.abort_request()  (freed before the next step)
+    call(fn)      ── CallEngine ──────────────►   fn(EngineCore) between steps
+    RequestStream ◄─ StepDone (deltas, timings, stats) after every step
 
-    asyncio loop                         engine thread
-    ------------                         -------------
-    add_request() ── _Add ──► inbox ──►  EngineCore.add_request()  (RequestError → future)
-    abort()       ── _Abort ─► inbox ──► EngineCore.abort_request()  (blocks freed before next step)
-    RequestStream ◄── StepBatch ◄─────── EngineCore.step(), pop_finished(), timings, stats
+A step never waits on a socket, and a slow client never stalls generation: its updates queue up in
+its own `RequestStream`. In a process of its own the engine does not share this process's GIL, so
+the event loop's work per streamed token (JSON, SSE, HTTP) never holds up a step; on a thread it
+does, by a fraction of a millisecond per token, but the thread needs no start-up and lets tests
+reach the `EngineCore` directly (`AsyncEngine.engine`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from inferd.engine.core import EngineCore, RequestError
-from inferd.engine.outputs import RequestOutput, SequenceDelta
+from inferd.engine.engine_loop import (
+    AbortRequest,
+    AddRequest,
+    CallEngine,
+    Command,
+    EngineDeadError,
+    EngineInfo,
+    EngineLoop,
+    EngineStepError,
+    Exited,
+    FinishedRequest,
+    Loaded,
+    Message,
+    Replies,
+    RequestUpdate,
+    StepDone,
+    StepReport,
+)
+from inferd.engine.heap import freeze_heap
 from inferd.engine.stats import EngineStats
 from inferd.sampling.params import SamplingParams
-from inferd.scheduler.sequence import SequenceStatus
 
 logger = logging.getLogger("inferd.async_engine")
 
 T = TypeVar("T")
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineInfo",
+    "EngineNotReadyError",
+    "EngineStepError",
+    "FinishedRequest",
+    "QueueFullError",
+    "RequestStream",
+    "RequestUpdate",
+    "StepReport",
+    "ThreadBackend",
+]
 
 
 class EngineNotReadyError(RuntimeError):
     """The model is still loading (or failed to load); no request can be taken yet."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; the server cannot serve any more requests."""
-
-
-class EngineStepError(RuntimeError):
-    """`EngineCore.step()` raised while this request was in flight; the request was aborted."""
-
-
 class QueueFullError(RuntimeError):
     """More requests are waiting for the engine than `max_queue_len` allows."""
-
-
-# ---- records crossing the thread boundary (immutable once posted) ---------------------------
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """One step's news about one request: its deltas, and on the last update its final output."""
-
-    deltas: list[SequenceDelta]
-    time: float  # time.monotonic() at the end of the step
-    output: RequestOutput | None = None  # set once: the request is finished (or aborted)
-    error: Exception | None = None  # set once: the request failed; no more updates follow
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None or self.error is not None
-
-
-@dataclass(slots=True)
-class FinishedRequest:
-    """Timings of a finished request, for metrics. Times are time.monotonic()."""
-
-    output: RequestOutput
-    arrival_time: float
-    scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float
-    finish_reason: str  # the first output's ("stop", "length", "abort", "error")
-
-
-@dataclass(slots=True)
-class StepReport:
-    """What one engine loop iteration did, summarised for metrics (one report per step)."""
-
-    stats: EngineStats
-    num_prompt_tokens: int = 0  # prompts whose first token came out this step
-    num_generation_tokens: int = 0
-    queue_times: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    finished: list[FinishedRequest] = field(default_factory=list)
 
 
 class EngineObserver(Protocol):
     def on_step(self, report: StepReport) -> None: ...
 
 
-# ---- commands (asyncio loop → engine thread) --------------------------------------------------
+class EngineBackend(Protocol):
+    """Where the engine loop runs. `on_message` must be called on the asyncio loop's thread."""
+
+    core: EngineCore | None  # the EngineCore, when it lives in this process
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Message], None]) -> None: ...
+
+    def send(self, command: Command) -> None:
+        """Queue a command for the engine; thread-safe, never blocks the caller."""
+
+    def stop(self, timeout: float | None) -> None: ...
+
+    @property
+    def is_alive(self) -> bool: ...
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    accepted: asyncio.Future[None]
+# ---- the engine loop on a thread --------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
+class ThreadBackend:
+    """The engine loop on a thread of this process. Commands wait in an inbox the loop drains at
+    the top of each iteration; messages reach the asyncio loop by `call_soon_threadsafe`."""
 
+    def __init__(self, engine_factory: Callable[[], EngineCore]) -> None:
+        self._factory = engine_factory
+        self.core: EngineCore | None = None  # read-only outside the engine thread
+        self._cv = threading.Condition()  # guards the inbox; wakes the idle engine thread
+        self._inbox: deque[Command] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
 
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[EngineCore], object]
-    done: asyncio.Future[object]
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Message], None]) -> None:
+        def deliver(message: Message) -> None:
+            try:
+                loop.call_soon_threadsafe(on_message, message)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
 
+        self._deliver = deliver
+        self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
+        self._thread.start()
 
-@dataclass(slots=True)
-class _Track:
-    """Engine-thread bookkeeping of one request (timings the engine does not keep)."""
+    def send(self, command: Command) -> None:
+        with self._cv:
+            self._inbox.append(command)
+            self._cv.notify()
 
-    arrival_time: float
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: dict[int, float] = field(default_factory=dict)  # by output index
+    def stop(self, timeout: float | None) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _take(self, timeout: float | None) -> list[Command] | None:
+        with self._cv:
+            if not self._inbox and not self._stopping and timeout != 0:
+                self._cv.wait(timeout)
+            if self._stopping:
+                return None
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return commands
+
+    def _run(self) -> None:
+        try:
+            core = self._factory()
+            info = EngineInfo.of(core)
+        except BaseException as e:
+            logger.exception("engine failed to load")
+            self._deliver(Loaded(None, None, e))
+            return
+        self.core = core
+        engine_loop = EngineLoop(core, self._deliver)
+        freeze_heap()
+        self._deliver(Loaded(info, engine_loop.stats))
+        try:
+            engine_loop.run(self._take)
+        except BaseException as e:
+            logger.exception("the engine loop stopped")
+            self._deliver(Exited(f"the engine stopped: {type(e).__name__}: {e}"))
+            raise
+        self._deliver(Exited("the server is shutting down"))
 
 
 # ---- the per-request stream (lives on the asyncio loop) --------------------------------------
@@ -171,12 +210,16 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-# ---- the engine -------------------------------------------------------------------------------
+# ---- the front end ----------------------------------------------------------------------------
 
 
 class AsyncEngine:
-    """The asyncio face of `EngineCore`. Call `start()` from a running loop, then `add_request` /
-    `generate`; `ready` turns true once the engine thread has built the `EngineCore`."""
+    """The asyncio face of the engine. Call `start()` from a running loop, then `add_request` /
+    `generate`; `ready` turns true once the engine has loaded.
+
+    `engine_process=True` runs the engine loop in a process of its own (then `engine_factory`
+    must survive cloudpickle, and `engine` stays None); otherwise it runs on a thread.
+    """
 
     def __init__(
         self,
@@ -184,53 +227,59 @@ class AsyncEngine:
         *,
         max_queue_len: int | None = None,
         observer: EngineObserver | None = None,
+        engine_process: bool = False,
     ) -> None:
-        self._factory = engine_factory
         self.max_queue_len = max_queue_len
         self.observer = observer
-        self.engine: EngineCore | None = None  # read-only outside the engine thread
+        self._backend: EngineBackend
+        if engine_process:
+            from inferd.engine.engine_proc import ProcessBackend
+
+            self._backend = ProcessBackend(engine_factory)
+        else:
+            self._backend = ThreadBackend(engine_factory)
+        self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # inbox: asyncio loop → engine thread; guarded by _cv, which also wakes the idle thread.
-        self._cv = threading.Condition()
-        self._inbox: deque[_Add | _Abort | _Call] = deque()
-        self._stopping = False
-        # Engine-thread state.
-        self._tracks: dict[str, _Track] = {}
-        self._unscheduled: set[str] = set()  # accepted, not yet given a step
+        self._exited: str | None = None  # why the engine stopped, once it has
         self._stats = EngineStats()
-        # Loop state.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
         self._streams: dict[str, RequestStream] = {}
+        self._accepting: dict[str, asyncio.Future[None]] = {}  # by request id
+        self._calls: dict[int, asyncio.Future[object]] = {}
+        self._call_ids = itertools.count()
         self._num_unscheduled = 0  # submitted, not yet scheduled by the engine: the waiting queue
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self._backend.start(self._loop, self._on_message)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._backend.stop(timeout)
+
+    @property
+    def engine(self) -> EngineCore | None:
+        """The EngineCore when it runs on a thread of this process (tests inspect it), else None."""
+        return self._backend.core
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.engine is not None and self.is_alive
+        return self._ready.is_set() and self.info is not None and self.is_alive
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and self._exited is None and self._backend.is_alive
 
     async def wait_ready(self) -> None:
         """Wait until the model is loaded; raises the load error if loading failed."""
         await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
         if self.load_error is not None:
             raise EngineDeadError(f"engine failed to start: {self.load_error}") from self.load_error
+        if self._exited is not None:
+            raise EngineDeadError(self._exited)
 
     @property
     def stats(self) -> EngineStats:
@@ -241,11 +290,12 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self._num_unscheduled
 
-    # ---- requests (asyncio loop) ----------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
-        """Submit a request and wait until the engine accepted it.
+        """Submit a request and wait until the engine accepted it (a structured-output request:
+        once its grammar compiled, on a worker thread of the engine).
 
         Raises `RequestError` (a ValueError) if the engine refuses it, `QueueFullError` if the
         waiting queue is full, `EngineNotReadyError`/`EngineDeadError` when there is no engine.
@@ -259,23 +309,24 @@ class AsyncEngine:
                 f"(--max-queue-len {self.max_queue_len}); retry later"
             )
         assert self._loop is not None
-        if params.structured is not None and self.engine is not None:
-            # Compile the grammar in a worker thread under its time limit, before the engine sees
-            # the request: a slow grammar keeps only this request waiting.
-            await self.engine.prepare_structured_async(params)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
+        self._accepting[request_id] = accepted
         self._num_unscheduled += 1
-        self._post(_Add(request_id, prompt, params, priority, time.monotonic(), accepted))
+        self._backend.send(
+            AddRequest(request_id, prompt, params, priority, time.monotonic())
+        )
         try:
             await accepted
         except BaseException:
             # Refused, or the caller was cancelled while waiting: forget (and abort) the request.
+            if self._accepting.get(request_id) is accepted:
+                del self._accepting[request_id]
             if self._streams.pop(request_id, None) is stream:
                 self._mark_scheduled(stream)
             stream.finished = True
-            self._post(_Abort(request_id))
+            self._backend.send(AbortRequest(request_id))
             raise
         return stream
 
@@ -296,41 +347,57 @@ class AsyncEngine:
         if stream is not None:
             stream.finished = True
             self._mark_scheduled(stream)
-        self._post(_Abort(request_id))
+        self._backend.send(AbortRequest(request_id))
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(engine_core)` on the engine thread between steps (inspection, invariants)."""
+        """Run `fn(engine_core)` on the engine between steps (inspection, invariants). With the
+        engine in its own process, `fn` travels by cloudpickle and its result by pickle."""
         self._check_serving()
         assert self._loop is not None
+        call_id = next(self._call_ids)
         done: asyncio.Future[object] = self._loop.create_future()
-        self._post(_Call(fn, done))
-        return await done  # type: ignore[return-value]
+        self._calls[call_id] = done
+        self._backend.send(CallEngine(call_id, fn))
+        try:
+            return await done  # type: ignore[return-value]
+        finally:
+            self._calls.pop(call_id, None)
 
     def _check_serving(self) -> None:
-        if self.load_error is not None or (self._thread is not None and not self.is_alive):
-            raise EngineDeadError("the engine is not running")
+        if self.load_error is not None or self._exited is not None or (
+            self._started and self._ready.is_set() and not self.is_alive
+        ):
+            raise EngineDeadError(self._exited or "the engine is not running")
         if not self.ready:
             raise EngineNotReadyError("the model is still loading")
-
-    def _post(self, command: _Add | _Abort | _Call) -> None:
-        with self._cv:
-            self._inbox.append(command)
-            self._cv.notify()
 
     def _mark_scheduled(self, stream: RequestStream) -> None:
         if not stream.scheduled:
             stream.scheduled = True
             self._num_unscheduled -= 1
 
-    # ---- delivery (asyncio loop) ----------------------------------------------------------
-    def _deliver(
-        self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport | None
-    ) -> None:
-        for rid in scheduled:
+    # ---- messages from the engine (asyncio loop) ------------------------------------------
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, StepDone):
+            self._deliver(message)
+        elif isinstance(message, Replies):
+            self._reply(message)
+        elif isinstance(message, Loaded):
+            self.info, self.load_error = message.info, message.error
+            if message.stats is not None:
+                self._stats = message.stats
+            if message.info is not None and self._backend.core is None:
+                freeze_heap()  # this process only serves HTTP now (the engine's process froze its own)
+            self._ready.set()
+        elif isinstance(message, Exited):
+            self._on_exit(message.reason)
+
+    def _deliver(self, message: StepDone) -> None:
+        for rid in message.scheduled:
             stream = self._streams.get(rid)
             if stream is not None:
                 self._mark_scheduled(stream)
-        for rid, update in updates.items():
+        for rid, update in message.updates.items():
             stream = self._streams.get(rid)
             if stream is None:
                 continue  # aborted by the client meanwhile
@@ -338,195 +405,43 @@ class AsyncEngine:
                 del self._streams[rid]
                 self._mark_scheduled(stream)
             stream._put(update)
-        if report is not None and self.observer is not None:
+        report = message.report
+        if report is None:
+            return
+        self._stats = report.stats
+        if self.observer is not None:
             try:
                 self.observer.on_step(report)
             except Exception:  # metrics must never break serving
                 logger.exception("engine observer failed")
 
-    @staticmethod
-    def _reply(replies: list[tuple[asyncio.Future[Any], object, BaseException | None]]) -> None:
-        for future, result, error in replies:
-            if future.done():  # the caller was cancelled meanwhile
-                continue
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
+    def _reply(self, message: Replies) -> None:
+        if message.stats is not None:
+            self._stats = message.stats
+        for rid, error in message.accepted:
+            future = self._accepting.pop(rid, None)
+            _settle(future, None, error)
+        for call_id, result, error in message.calls:
+            _settle(self._calls.pop(call_id, None), result, error)
 
-    def _call_loop(self, fn: Callable[..., object], *args: object) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
-
-    # ---- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self.engine = self._factory()
-            self._stats = dataclasses.replace(self.engine.get_stats())
-        except BaseException as e:
-            logger.exception("engine failed to load")
-            self.load_error = e
-            self._ready.set()
-            return
+    def _on_exit(self, reason: str) -> None:
+        """The engine is gone: every waiting caller and open stream gets an error it can read."""
+        self._exited = reason
         self._ready.set()
-        engine = self.engine
-        while True:
-            with self._cv:
-                while (
-                    not self._inbox and not self._stopping and not engine.has_unfinished_requests()
-                ):
-                    self._cv.wait()  # idle: sleep until a command arrives
-                if self._stopping:
-                    break
-                commands = list(self._inbox)
-                self._inbox.clear()
-            updates: dict[str, RequestUpdate] = {}
-            report = StepReport(stats=self._stats)
-            replies: list[tuple[asyncio.Future[Any], object, BaseException | None]] = []
-            for cmd in commands:
-                self._apply(engine, cmd, report, replies)
-            if replies:
-                # Snapshot first, so a client that sees its request accepted also sees it counted.
-                self._stats = dataclasses.replace(engine.get_stats())
-                self._call_loop(self._reply, replies)
-            scheduled: list[str] = []
-            if engine.has_unfinished_requests():
-                self._step(engine, updates, scheduled, report)
-            self._stats = dataclasses.replace(engine.get_stats())
-            report.stats = self._stats
-            self._call_loop(self._deliver, updates, scheduled, report)
-        self._fail_all(engine, EngineDeadError("the server is shutting down"), {})
+        error = EngineDeadError(reason)
+        for future in [*self._accepting.values(), *self._calls.values()]:
+            _settle(future, None, error)
+        self._accepting.clear()
+        self._calls.clear()
+        for stream in list(self._streams.values()):
+            stream._put(RequestUpdate([], time.monotonic(), error=error))
+        self._streams.clear()
 
-    def _apply(
-        self,
-        engine: EngineCore,
-        cmd: _Add | _Abort | _Call,
-        report: StepReport,
-        replies: list[tuple[asyncio.Future[Any], object, BaseException | None]],
-    ) -> None:
-        """Run one command; answers for the loop go to `replies` (future, result, error)."""
-        if isinstance(cmd, _Call):
-            try:
-                replies.append((cmd.done, cmd.fn(engine), None))
-            except Exception as e:  # noqa: BLE001 — the caller's error, raised on its side
-                replies.append((cmd.done, None, e))
-            return
-        if isinstance(cmd, _Abort):
-            track = self._tracks.pop(cmd.request_id, None)
-            self._unscheduled.discard(cmd.request_id)
-            if cmd.request_id not in engine.requests:
-                return  # finished (or refused) before the abort arrived
-            partial = engine.request_output(cmd.request_id)
-            engine.abort_request(cmd.request_id)
-            if track is not None:
-                report.finished.append(
-                    self._finished_record(track, partial, time.monotonic(), "abort")
-                )
-            return
-        try:
-            engine.add_request(
-                cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time
-            )
-        except Exception as e:  # noqa: BLE001 — RequestError or worse: the request's error, not ours
-            replies.append((cmd.accepted, None, e))
-            return
-        self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
-        self._unscheduled.add(cmd.request_id)
-        replies.append((cmd.accepted, None, None))
 
-    def _step(
-        self,
-        engine: EngineCore,
-        updates: dict[str, RequestUpdate],
-        scheduled: list[str],
-        report: StepReport,
-    ) -> None:
-        start = time.monotonic()
-        try:
-            deltas = engine.step()
-        except Exception as e:
-            # The step's state is unknown: fail every in-flight request (each client gets an error
-            # it can read), free their blocks, and keep serving new requests.
-            logger.exception(
-                "engine step failed; aborting %d in-flight requests", len(self._tracks)
-            )
-            self._fail_all(
-                engine, EngineStepError(f"engine step failed: {type(e).__name__}: {e}"), updates
-            )
-            return
-        now = time.monotonic()
-        for delta in deltas:
-            update = updates.get(delta.request_id)
-            if update is None:
-                update = updates[delta.request_id] = RequestUpdate([], now)
-            update.deltas.append(delta)
-        for rid in [r for r in self._unscheduled if self._is_scheduled(engine, r)]:
-            self._unscheduled.discard(rid)
-            track = self._tracks[rid]
-            track.scheduled_time = start
-            scheduled.append(rid)
-            report.queue_times.append(start - track.arrival_time)
-        for rid, update in updates.items():
-            track = self._tracks.get(rid)
-            if track is None:
-                continue
-            self._time_tokens(
-                track, update, now, report, len(engine.requests[rid].prompt_token_ids)
-            )
-            if engine.requests[rid].finished:
-                update.output = engine.pop_finished(rid)
-                del self._tracks[rid]
-                report.finished.append(self._finished_record(track, update.output, now))
-
-    @staticmethod
-    def _is_scheduled(engine: EngineCore, rid: str) -> bool:
-        state = engine.requests.get(rid)
-        return state is not None and any(
-            s.status is not SequenceStatus.WAITING or s.num_computed_tokens > 0 for s in state.seqs
-        )
-
-    @staticmethod
-    def _time_tokens(
-        track: _Track, update: RequestUpdate, now: float, report: StepReport, num_prompt: int
-    ) -> None:
-        for delta in update.deltas:
-            n = len(delta.new_token_ids)
-            report.num_generation_tokens += n
-            if track.first_token_time is None:
-                track.first_token_time = now
-                report.ttfts.append(now - track.arrival_time)
-                report.num_prompt_tokens += num_prompt
-            last = track.last_token_time.get(delta.index)
-            if last is not None and n:
-                report.inter_token_latencies.extend([(now - last) / n] * n)
-            track.last_token_time[delta.index] = now
-
-    @staticmethod
-    def _finished_record(
-        track: _Track, output: RequestOutput, now: float, reason: str | None = None
-    ) -> FinishedRequest:
-        if reason is None:
-            reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
-        return FinishedRequest(
-            output, track.arrival_time, track.scheduled_time, track.first_token_time, now, reason
-        )
-
-    def _fail_all(
-        self, engine: EngineCore, error: Exception, updates: dict[str, RequestUpdate]
-    ) -> None:
-        now = time.monotonic()
-        for rid in list(self._tracks):
-            try:
-                engine.abort_request(rid)
-            except Exception:  # the engine is already in trouble; free what can be freed
-                logger.exception("abort of %s failed", rid)
-                engine.requests.pop(rid, None)
-            updates[rid] = RequestUpdate([], now, error=error)
-        self._tracks.clear()
-        self._unscheduled.clear()
-        if updates:
-            self._call_loop(self._deliver, dict(updates), [], None)
-            updates.clear()
+def _settle(future: asyncio.Future | None, result: object, error: BaseException | None) -> None:
+    if future is None or future.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

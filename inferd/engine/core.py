@@ -163,14 +163,6 @@ class EngineCore:
             except GrammarError as e:
                 raise RequestError(str(e)) from e
 
-    async def prepare_structured_async(self, params: SamplingParams) -> None:
-        """Same, awaiting a worker thread: for the async front, never the engine thread."""
-        if params.structured is not None:
-            try:
-                await self.structured.prepare_async(params.structured)
-            except GrammarError as e:
-                raise RequestError(str(e)) from e
-
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check a request; raises RequestError naming the problem."""
         if isinstance(prompt, str):

@@ -66,6 +66,18 @@ class Tokenizer:
             tid for tid, tok in hf.get_added_tokens_decoder().items() if tok.special
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled template does not pickle (the server's engine process sends the tokenizer
+        # to the front end); its source does, and is compiled again on arrival.
+        state = self.__dict__.copy()
+        state["_template"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.chat_template:
+            self._template = _compile_template(self.chat_template)
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None

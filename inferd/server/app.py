@@ -104,7 +104,7 @@ def build_app(
     @api_errors
     async def models() -> ModelList:
         state.ready_engine()
-        source = engine.engine.source if engine.engine is not None else None
+        source = engine.info.source if engine.info is not None else None
         cards = [
             ModelCard(
                 id=name,

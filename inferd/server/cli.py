@@ -47,6 +47,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default="10MiB",
         help="largest request body accepted (413 above it)",
     )
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine loop in a process of its own, so the HTTP event loop never holds "
+        "its GIL (--no-engine-process: on a thread of the server process)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
     return p
@@ -83,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = served_names(args)
 
     def on_ready(async_engine: AsyncEngine) -> None:
-        e = async_engine.engine
+        e = async_engine.info
         assert e is not None
         stats = async_engine.stats
         logger.info(
@@ -92,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             e.source,
             e.file_type,
             ", ".join(names),
-            str(e.dtype).removeprefix("torch."),
+            e.dtype,
             e.device,
             e.max_model_len,
             stats.num_total_blocks,
@@ -102,7 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "on" if args.api_key else "off",
         )
 
-    engine = AsyncEngine(build_engine, max_queue_len=args.max_queue_len)
+    engine = AsyncEngine(
+        build_engine, max_queue_len=args.max_queue_len, engine_process=args.engine_process
+    )
     app = build_app(
         engine,
         names,

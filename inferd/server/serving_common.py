@@ -68,15 +68,15 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        engine = self.ready_engine().engine
-        assert engine is not None
-        return engine.tokenizer  # read-only use from the loop: encode/decode/render are pure
+        info = self.ready_engine().info
+        assert info is not None
+        return info.tokenizer  # the front end's own copy: encode/decode/render are pure
 
     @property
     def max_model_len(self) -> int:
-        engine = self.ready_engine().engine
-        assert engine is not None
-        return engine.max_model_len
+        info = self.ready_engine().info
+        assert info is not None
+        return info.max_model_len
 
     def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if not self.log_requests:

@@ -6,7 +6,6 @@ Bitmask layout (llguidance's): int32 [R, ceil(V / 32)], bit j of word w allows t
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 from collections.abc import Sequence as Seq
 
@@ -86,15 +85,6 @@ class StructuredOutputManager:
         try:
             self._future(spec).result(timeout=self.timeout)
         except cf.TimeoutError:
-            raise self._timeout_error(spec) from None
-
-    async def prepare_async(self, spec: StructuredOutputsParams) -> None:
-        if self.compiler.cached(spec) is not None:
-            return
-        fut = asyncio.wrap_future(self._future(spec))
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout)
-        except TimeoutError:
             raise self._timeout_error(spec) from None
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:

@@ -1,0 +1,387 @@
+"""The engine side of `AsyncEngine`: one loop that applies commands, runs a step and emits what
+happened, as plain picklable records.
+
+The same loop runs on a thread of the server process or in a process of its own
+(`engine_proc.py`); it neither knows nor cares which. It takes commands through `take(timeout)`
+and hands every message to `emit`:
+
+    AddRequest / AbortRequest / CallEngine ──► EngineLoop ──► Replies   (accepted or refused; call results)
+                                                         └──► StepDone  (per-request deltas, timings, stats)
+
+`EngineCore` is not thread-safe: only the loop touches it. Grammar compilation for structured
+outputs is the one slow part of admitting a request, so it runs on a worker thread and the
+request joins the engine once its grammar is ready; steps never wait for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inferd.engine.core import EngineCore
+from inferd.engine.outputs import RequestOutput, SequenceDelta
+from inferd.engine.stats import EngineStats
+from inferd.loader.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.scheduler.sequence import SequenceStatus
+
+logger = logging.getLogger("inferd.async_engine")
+
+# While a grammar compiles and nothing else runs, look for it this often (seconds).
+_COMPILE_POLL_S = 0.002
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped; the server cannot serve any more requests."""
+
+
+class EngineStepError(RuntimeError):
+    """`EngineCore.step()` raised while this request was in flight; the request was aborted."""
+
+
+# ---- what the front end learns (engine → front end) -------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What the front end needs to know about the loaded engine; it never touches `EngineCore`."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    source: str | None
+    file_type: str | None
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, core: EngineCore) -> EngineInfo:
+        return cls(
+            core.tokenizer,
+            core.max_model_len,
+            str(core.source) if core.source is not None else None,
+            core.file_type,
+            str(core.dtype).removeprefix("torch."),
+            str(core.device),
+        )
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One step's news about one request: its deltas, and on the last update its final output."""
+
+    deltas: list[SequenceDelta]
+    time: float  # time.monotonic() at the end of the step (system-wide: valid in any process)
+    output: RequestOutput | None = None  # set once: the request is finished (or aborted)
+    error: Exception | None = None  # set once: the request failed; no more updates follow
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """Timings of a finished request, for metrics. Times are time.monotonic()."""
+
+    output: RequestOutput
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    finish_reason: str  # the first output's ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one engine loop iteration did, summarised for metrics (one report per step)."""
+
+    stats: EngineStats
+    num_prompt_tokens: int = 0  # prompts whose first token came out this step
+    num_generation_tokens: int = 0
+    queue_times: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Loaded:
+    """The engine finished loading: `info` and `stats`, or the `error` that stopped it."""
+
+    info: EngineInfo | None
+    stats: EngineStats | None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Replies:
+    """Answers to commands: `accepted` has (request_id, refusal or None), `calls` has
+    (call_id, result, error). Sent before the step, so a client learns of its acceptance
+    without waiting for one."""
+
+    accepted: list[tuple[str, BaseException | None]]
+    calls: list[tuple[int, object, BaseException | None]]
+    stats: EngineStats | None  # None: unchanged
+
+
+@dataclass(slots=True)
+class Exited:
+    """The engine stopped: shut down, crashed, or its process died. Nothing follows."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class StepDone:
+    updates: dict[str, RequestUpdate]
+    scheduled: list[str]  # requests given their first step in this iteration
+    report: StepReport | None
+
+
+Message = Loaded | Replies | StepDone | Exited
+
+
+# ---- commands (front end → engine) ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class CallEngine:
+    """Run `fn(engine_core)` between steps (inspection, invariants, prefix-cache reset)."""
+
+    call_id: int
+    fn: Callable[[EngineCore], object]
+
+
+Command = AddRequest | AbortRequest | CallEngine
+
+
+@dataclass(slots=True)
+class _Track:
+    """Bookkeeping of one request: the timings the engine does not keep."""
+
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: dict[int, float] = field(default_factory=dict)  # by output index
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, emit: Callable[[Message], None]) -> None:
+        self.core = core
+        self.emit = emit
+        self.stats = dataclasses.replace(core.get_stats())
+        self._tracks: dict[str, _Track] = {}
+        self._unscheduled: set[str] = set()  # accepted, not yet given a step
+        # Requests whose grammar is compiling, in arrival order.
+        self._compiling: dict[str, tuple[AddRequest, cf.Future[None]]] = {}
+        self._compiler: cf.ThreadPoolExecutor | None = None
+
+    def run(self, take: Callable[[float | None], list[Command] | None]) -> None:
+        """Serve until `take` says stop. `take(timeout)` returns the commands that arrived,
+        waiting up to `timeout` seconds for one (None: as long as it takes), or None to stop."""
+        while True:
+            if self.core.has_unfinished_requests():
+                timeout: float | None = 0.0
+            else:
+                timeout = _COMPILE_POLL_S if self._compiling else None  # idle: sleep
+            commands = take(timeout)
+            if commands is None:
+                break
+            self.iterate(commands)
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+        error = EngineDeadError("the server is shutting down")
+        if self._compiling:
+            self.emit(Replies([(rid, error) for rid in self._compiling], [], self.stats))
+            self._compiling.clear()
+        self.fail_all(error)
+
+    def iterate(self, commands: list[Command]) -> None:
+        """Apply the commands, run one step if there is work, and emit what happened."""
+        core = self.core
+        report = StepReport(stats=self.stats)
+        accepted: list[tuple[str, BaseException | None]] = []
+        calls: list[tuple[int, object, BaseException | None]] = []
+        for cmd in commands:
+            self._apply(cmd, report, accepted, calls)
+        self._admit_compiled(accepted)
+        if accepted or calls:
+            # Snapshot first, so a client that sees its request accepted also sees it counted.
+            self.stats = dataclasses.replace(core.get_stats())
+            self.emit(Replies(accepted, calls, self.stats))
+        updates: dict[str, RequestUpdate] = {}
+        scheduled: list[str] = []
+        if core.has_unfinished_requests():
+            self._step(updates, scheduled, report)
+        self.stats = dataclasses.replace(core.get_stats())
+        report.stats = self.stats
+        self.emit(StepDone(updates, scheduled, report))
+
+    # ---- commands -------------------------------------------------------------------------
+    def _apply(
+        self,
+        cmd: Command,
+        report: StepReport,
+        accepted: list[tuple[str, BaseException | None]],
+        calls: list[tuple[int, object, BaseException | None]],
+    ) -> None:
+        core = self.core
+        if isinstance(cmd, CallEngine):
+            try:
+                calls.append((cmd.call_id, cmd.fn(core), None))
+            except Exception as e:  # noqa: BLE001 — the caller's error, raised on its side
+                calls.append((cmd.call_id, None, e))
+            return
+        if isinstance(cmd, AbortRequest):
+            if self._compiling.pop(cmd.request_id, None) is not None:
+                return  # its grammar was still compiling: it never reached the engine
+            track = self._tracks.pop(cmd.request_id, None)
+            self._unscheduled.discard(cmd.request_id)
+            if cmd.request_id not in core.requests:
+                return  # finished (or refused) before the abort arrived
+            partial = core.request_output(cmd.request_id)
+            core.abort_request(cmd.request_id)
+            if track is not None:
+                report.finished.append(_finished_record(track, partial, time.monotonic(), "abort"))
+            return
+        if cmd.params.structured is not None and cmd.request_id not in self._compiling:
+            if self._compiler is None:
+                self._compiler = cf.ThreadPoolExecutor(2, thread_name_prefix="inferd-grammar")
+            self._compiling[cmd.request_id] = (
+                cmd,
+                self._compiler.submit(core.prepare_structured, cmd.params),
+            )
+            return
+        self._add(cmd, accepted)
+
+    def _admit_compiled(self, accepted: list[tuple[str, BaseException | None]]) -> None:
+        for rid, (cmd, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            error = fut.exception()
+            if error is not None:
+                accepted.append((rid, error))
+            else:
+                self._add(cmd, accepted)
+
+    def _add(self, cmd: AddRequest, accepted: list[tuple[str, BaseException | None]]) -> None:
+        try:
+            self.core.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time
+            )
+        except Exception as e:  # noqa: BLE001 — RequestError or worse: the request's error, not ours
+            accepted.append((cmd.request_id, e))
+            return
+        self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
+        self._unscheduled.add(cmd.request_id)
+        accepted.append((cmd.request_id, None))
+
+    # ---- the step -------------------------------------------------------------------------
+    def _step(
+        self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport
+    ) -> None:
+        core = self.core
+        start = time.monotonic()
+        try:
+            deltas = core.step()
+        except Exception as e:
+            # The step's state is unknown: fail every in-flight request (each client gets an error
+            # it can read), free their blocks, and keep serving new requests.
+            logger.exception(
+                "engine step failed; aborting %d in-flight requests", len(self._tracks)
+            )
+            self.fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"), updates)
+            return
+        now = time.monotonic()
+        for delta in deltas:
+            update = updates.get(delta.request_id)
+            if update is None:
+                update = updates[delta.request_id] = RequestUpdate([], now)
+            update.deltas.append(delta)
+        for rid in [r for r in self._unscheduled if _is_scheduled(core, r)]:
+            self._unscheduled.discard(rid)
+            track = self._tracks[rid]
+            track.scheduled_time = start
+            scheduled.append(rid)
+            report.queue_times.append(start - track.arrival_time)
+        for rid, update in updates.items():
+            track = self._tracks.get(rid)
+            if track is None:
+                continue
+            _time_tokens(track, update, now, report, len(core.requests[rid].prompt_token_ids))
+            if core.requests[rid].finished:
+                update.output = core.pop_finished(rid)
+                del self._tracks[rid]
+                report.finished.append(_finished_record(track, update.output, now))
+
+    def fail_all(self, error: Exception, updates: dict[str, RequestUpdate] | None = None) -> None:
+        """Abort every request with `error` and tell their clients (now, or in `updates`)."""
+        core = self.core
+        now = time.monotonic()
+        out = updates if updates is not None else {}
+        for rid in list(self._tracks):
+            try:
+                core.abort_request(rid)
+            except Exception:  # the engine is already in trouble; free what can be freed
+                logger.exception("abort of %s failed", rid)
+                core.requests.pop(rid, None)
+            out[rid] = RequestUpdate([], now, error=error)
+        self._tracks.clear()
+        self._unscheduled.clear()
+        if updates is None and out:
+            self.emit(StepDone(out, [], None))
+
+
+def _is_scheduled(core: EngineCore, rid: str) -> bool:
+    state = core.requests.get(rid)
+    return state is not None and any(
+        s.status is not SequenceStatus.WAITING or s.num_computed_tokens > 0 for s in state.seqs
+    )
+
+
+def _time_tokens(
+    track: _Track, update: RequestUpdate, now: float, report: StepReport, num_prompt: int
+) -> None:
+    for delta in update.deltas:
+        n = len(delta.new_token_ids)
+        report.num_generation_tokens += n
+        if track.first_token_time is None:
+            track.first_token_time = now
+            report.ttfts.append(now - track.arrival_time)
+            report.num_prompt_tokens += num_prompt
+        last = track.last_token_time.get(delta.index)
+        if last is not None and n:
+            report.inter_token_latencies.extend([(now - last) / n] * n)
+        track.last_token_time[delta.index] = now
+
+
+def _finished_record(
+    track: _Track, output: RequestOutput, now: float, reason: str | None = None
+) -> FinishedRequest:
+    if reason is None:
+        reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
+    return FinishedRequest(
+        output, track.arrival_time, track.scheduled_time, track.first_token_time, now, reason
+    )
