@@ -3,7 +3,8 @@
 Why: on a thread, the engine shares the server's GIL with the event loop. Each streamed token
 costs the loop a fraction of a millisecond of Python (JSON, SSE, HTTP), and when the OS preempts
 the loop while it holds the GIL, the engine thread waits for it between kernels. A process of its
-own has its own GIL.
+own has its own GIL, and when it dies the server stays up to answer 503 `engine_dead`.
+The price is a pickle per step each way (see `async_engine.py` for the measured trade-off).
 
     server process                                     engine process (spawned)
     --------------                                     --------------
@@ -148,7 +149,7 @@ class ProcessBackend:
             command = self._outbox.get()
             try:
                 blob = cloudpickle.dumps(command)
-            except Exception as e:  # noqa: BLE001 — only a call's function can fail to pickle
+            except Exception as e:
                 if isinstance(command, CallEngine):
                     reply = Replies([], [(command.call_id, None, e)], None)
                     self._loop.call_soon_threadsafe(self._on_message, reply)
@@ -199,7 +200,7 @@ def serve_engine(
     def emit(message: Message) -> None:
         try:
             blob = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 — a call's result or an error that does not pickle
+        except Exception:
             blob = pickle.dumps(_picklable(message), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             write_frame(messages_fd, blob)
@@ -240,7 +241,7 @@ def _picklable_error(error: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(error))
         return error
-    except Exception:  # noqa: BLE001 — any failure to round-trip: send a plain copy
+    except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
@@ -252,7 +253,7 @@ def _picklable(message: Message) -> Message:
     for call_id, result, error in message.calls:
         try:
             pickle.dumps(result)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             result, error = None, RuntimeError(f"the call's result cannot be sent back: {e}")
         calls.append((call_id, result, _picklable_error(error) if error else None))
     accepted = [(rid, _picklable_error(e) if e else None) for rid, e in message.accepted]

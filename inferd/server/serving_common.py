@@ -63,6 +63,8 @@ class ServerState:
                 raise APIError(
                     503, f"the model failed to load: {self.engine.load_error}", code="engine_dead"
                 )
+            if self.engine.dead_reason is not None:
+                raise APIError(503, f"{self.engine.dead_reason}; restart the server", code="engine_dead")
             raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
         return self.engine
 
