@@ -98,8 +98,10 @@ def test_chat_structured_output_and_tokenizer(client: openai.OpenAI, http: httpx
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
-    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith(
-        PROMPT
+    assert (
+        http.post("/detokenize", json={"tokens": tokens["tokens"]})
+        .json()["prompt"]
+        .endswith(PROMPT)
     )
 
 

@@ -149,7 +149,7 @@ class ProcessBackend:
             command = self._outbox.get()
             try:
                 blob = cloudpickle.dumps(command)
-            except Exception as e:
+            except Exception as e:  # only a call's function can fail to pickle: tell its caller
                 if isinstance(command, CallEngine):
                     reply = Replies([], [(command.call_id, None, e)], None)
                     self._loop.call_soon_threadsafe(self._on_message, reply)
