@@ -419,7 +419,8 @@ class AsyncEngine:
         report = message.report
         if report is None:
             return
-        self._stats = report.stats
+        if report.stats is not None:  # None: unchanged (the engine process sends it now and then)
+            self._stats = report.stats
         if self.observer is not None:
             try:
                 self.observer.on_step(report)

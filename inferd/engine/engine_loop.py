@@ -99,7 +99,7 @@ class FinishedRequest:
 class StepReport:
     """What one engine loop iteration did, summarised for metrics (one report per step)."""
 
-    stats: EngineStats
+    stats: EngineStats | None  # None: as in the last report that had them
     num_prompt_tokens: int = 0  # prompts whose first token came out this step
     num_generation_tokens: int = 0
     queue_times: list[float] = field(default_factory=list)

@@ -50,10 +50,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the engine loop in a process of its own (vLLM V1's layout): the HTTP event "
-        "loop no longer shares its GIL, and an engine crash cannot take the server down. Off by "
-        "default: on a 2-core machine the per-step pickling costs more than the GIL did",
+        default=True,
+        help="run the engine loop in a process of its own (vLLM V1's layout), its OpenMP "
+        "threads bound to cores and the HTTP front end on the last CPU: the event loop no "
+        "longer shares the engine's GIL, and an engine crash leaves the server up to say so "
+        "(--no-engine-process: on a thread of the server process)",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
