@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "decoder_layers.h"
+#include "dense_gemv.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
@@ -31,6 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
+
+  // fp32 x[M,K] · w^T (+ bias): this file's streaming kernel up to dense_max_rows rows, the same
+  // bits at any row count; at::linear above.
+  m.attr("dense_max_rows") = dense::kMaxRows;
+  m.def("dense_linear",
+        [](const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+          return dense::linear(x, w, bias.has_value() ? *bias : torch::Tensor());
+        },
+        "x[M,K] · w[N,K]^T (+ bias), fp32", py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 
   m.def("paged_attention_short", &paged_attn::paged_attention_short,
         "paged attention for short queries (CPU, fp32)");

@@ -17,6 +17,7 @@
 
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "dense_gemv.h"
 #include "quant_gemm.h"
 
 namespace decoder {
@@ -55,7 +56,7 @@ inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor&
 }
 
 inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, const Shape& s) {
-  if (l.kind == LinearWeights::kFloat) return at::linear(x, l.weight, l.bias);
+  if (l.kind == LinearWeights::kFloat) return dense::linear(x, l.weight, l.bias);
   torch::Tensor y;
   if (l.kind == LinearWeights::kTiles) {
     TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");

@@ -1,0 +1,77 @@
+"""The fp32 few-row matmul (csrc/dense_gemv.h) that `Linear` and the fused decode step share:
+close to fp64, the same bits for a row whatever the rows beside it, bias and odd shapes handled,
+and above its row limit the very result of at::linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferd.kernels.quant_gemm import extension, extension_avx2
+from inferd.layers.linear import Linear
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def ext(request):
+    e = extension() if request.param == "native" else extension_avx2()
+    if e is None:
+        pytest.skip("CPU kernels unavailable here (no compiler or no AVX2)")
+    return e
+
+
+# (N, K): the default model's shapes, then tails: N not a multiple of the rows per pass, K not a
+# multiple of 8.
+SHAPES = [(960, 576), (576, 1536), (37, 576), (50, 77), (3, 5)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_close_to_fp64_and_row_invariant(ext, n, k) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(ext.dense_max_rows, k, generator=g)
+    y = ext.dense_linear(x, w, bias)
+    ref = x.double() @ w.double().T + bias.double()
+    assert (y.double() - ref).abs().max().item() < 1e-4 * (k**0.5)
+    # Any number of rows up to the limit, any row among them: the same bits.
+    for m in range(1, ext.dense_max_rows + 1):
+        part = ext.dense_linear(x[:m], w, bias)
+        assert torch.equal(part, y[:m])
+    for i in range(ext.dense_max_rows):
+        assert torch.equal(ext.dense_linear(x[i : i + 1], w, bias), y[i : i + 1])
+
+
+def test_rows_with_a_stride_and_no_bias(ext) -> None:
+    w = torch.randn(64, 96)
+    wide = torch.randn(4, 200)
+    x = wide[:, 10:106]  # rows 200 floats apart, columns contiguous
+    assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x.contiguous(), w))
+
+
+def test_more_rows_are_at_linear(ext) -> None:
+    w, b = torch.randn(80, 64), torch.randn(80)
+    x = torch.randn(ext.dense_max_rows + 1, 64)
+    assert torch.equal(ext.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_both_builds_agree() -> None:
+    native, avx2 = extension(), extension_avx2()
+    if native is None or avx2 is None:
+        pytest.skip("CPU kernels unavailable here")
+    w, x = torch.randn(333, 579), torch.randn(5, 579)
+    assert torch.equal(native.dense_linear(x, w), avx2.dense_linear(x, w))
+
+
+def test_linear_layer_takes_the_kernel_for_any_leading_shape() -> None:
+    if extension() is None:
+        pytest.skip("CPU kernels unavailable here")
+    layer = Linear(48, 24, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(2, 3, 48)
+    y = layer(x)
+    assert y.shape == (2, 3, 24)
+    assert torch.equal(
+        y.reshape(6, 24), extension().dense_linear(x.reshape(6, 48), layer.weight, layer.bias)
+    )
+    assert torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
