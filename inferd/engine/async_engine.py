@@ -1,6 +1,6 @@
 """AsyncEngine: the asyncio face of the engine. It streams per-step deltas to the event loop while
-the engine loop (`engine_loop.py`) runs elsewhere: on a thread of this process (the default), or
-in a process of its own (`inferd serve --engine-process`, as vLLM V1 does).
+the engine loop (`engine_loop.py`) runs elsewhere: in a process of its own (`inferd serve`'s
+default, as vLLM V1 does; `engine_proc.py`), or on a thread of this process.
 
     asyncio loop                                  engine loop (its own process, or a thread)
     ------------                                  -----------
@@ -13,12 +13,13 @@ in a process of its own (`inferd serve --engine-process`, as vLLM V1 does).
 A step never waits on a socket, and a slow client never stalls generation: its updates queue up in
 its own `RequestStream`.
 
-Thread or process: in a process of its own the engine does not share this process's GIL, and a
-crash of the engine leaves the server up to say so (503 `engine_dead`). But every step's news is
-pickled, written to a pipe, read and unpickled, and on this project's 2-core machines that costs
-more than the GIL did: the engine loop's time outside `EngineCore.step()` was 0.64 ms per
-iteration in a process against 0.13 ms on a thread (single stream, `-q auto`). The thread needs no
-start-up either, and lets tests reach the `EngineCore` directly (`AsyncEngine.engine`).
+Thread or process: on a thread the engine shares this process's GIL with the event loop, which
+holds it for a fraction of a millisecond per streamed token, often just as the engine's kernels
+end; a crash of the thread takes the engine with it. A process of its own has neither problem,
+but pays a pipe and a pickle per step and a spawn at start-up. With its OpenMP threads bound and
+the front end on the last CPU (engine_proc.py), single-stream decode through HTTP measured 0.93-
+0.95x the offline API against 0.87x on a thread. The thread stays for tests (they reach the
+`EngineCore` through `AsyncEngine.engine`, e.g. to inject faults) and `--no-engine-process`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Why: on a thread, the engine shares the server's GIL with the event loop. Each s
 costs the loop a fraction of a millisecond of Python (JSON, SSE, HTTP), and when the OS preempts
 the loop while it holds the GIL, the engine thread waits for it between kernels. A process of its
 own has its own GIL, and when it dies the server stays up to answer 503 `engine_dead`.
-The price is a pickle per step each way (see `async_engine.py` for the measured trade-off).
+The price is a pipe and a pickle per step, kept small: a step's news travels as tuples, and the
+front end runs on the CPU the engine's main thread does not (`_bind_cpus`).
 
     server process                                     engine process (spawned)
     --------------                                     --------------
