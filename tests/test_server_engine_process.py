@@ -9,6 +9,7 @@ up and say so, in the API's own error shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -158,3 +159,45 @@ def test_frames_survive_any_split_of_the_pipe() -> None:
     os.close(read_end)
     os.close(write_end)
     assert got == frames and not reader.partial
+
+
+def _tiny_engine():
+    from inferd.config import CacheConfig, EngineConfig, SchedulerConfig
+    from inferd.engine.core import EngineCore
+
+    config = EngineConfig(
+        cache=CacheConfig(kv_cache_memory=64 << 20),
+        scheduler=SchedulerConfig(max_model_len=512),
+        log_stats_interval=0,
+    )
+    return EngineCore(config, verbose=False)
+
+
+def test_async_engine_in_a_process_directly() -> None:
+    """The AsyncEngine API with `engine_process=True`: streams, a refusal, a call that cannot
+    travel (its caller gets the error; the engine goes on), and no blocks leaked."""
+    from inferd.engine.async_engine import AsyncEngine
+    from inferd.engine.core import RequestError
+
+    async def main() -> None:
+        engine = AsyncEngine(_tiny_engine, engine_process=True)
+        engine.start()
+        await engine.wait_ready()
+        try:
+            assert engine.engine is None and engine.info is not None
+            params = SamplingParams(temperature=0.0, max_tokens=5)
+            updates = [u async for u in engine.generate("a", PROMPT, params)]
+            assert updates[-1].output is not None
+            assert len(updates[-1].output.outputs[0].token_ids) == 5
+            with pytest.raises(RequestError, match="out of range"):
+                await engine.add_request("bad", [10**9], params)
+            lock = threading.Lock()
+            with pytest.raises(TypeError):
+                await engine.call(lambda core: lock.locked())  # a lock does not pickle
+            assert await engine.call(lambda core: core.max_model_len) == 512
+            await engine.call(lambda core: core.check_no_leaks())
+        finally:
+            engine.shutdown()
+        assert not engine.is_alive
+
+    asyncio.run(main())

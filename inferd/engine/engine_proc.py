@@ -40,6 +40,7 @@ import cloudpickle
 
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_loop import (
+    AddRequest,
     CallEngine,
     Command,
     EngineInfo,
@@ -169,6 +170,16 @@ def decode_step(wire: tuple) -> StepDone:
     return StepDone(updates, scheduled, report)
 
 
+def _refusal(command: Command | None, error: Exception) -> Replies:
+    """The answer to a command that could not be sent (a call's function, a request's
+    parameters that do not pickle): its caller gets the error, the engine never sees it."""
+    if isinstance(command, CallEngine):
+        return Replies([], [(command.call_id, None, error)], None)
+    if isinstance(command, AddRequest):
+        return Replies([(command.request_id, error)], [], None)
+    raise error  # a stop or an abort always pickles
+
+
 class ProcessBackend:
     """Runs `engine_factory()` and the engine loop in a spawned process."""
 
@@ -231,12 +242,9 @@ class ProcessBackend:
             command = self._outbox.get()
             try:
                 blob = cloudpickle.dumps(command)
-            except Exception as e:  # only a call's function can fail to pickle: tell its caller
-                if isinstance(command, CallEngine):
-                    reply = Replies([], [(command.call_id, None, e)], None)
-                    self._loop.call_soon_threadsafe(self._on_message, reply)
-                    continue
-                raise
+            except Exception as e:  # noqa: BLE001 — the command's own problem: answer its caller
+                self._loop.call_soon_threadsafe(self._on_message, _refusal(command, e))
+                continue
             try:
                 write_frame(fd, blob)
             except OSError:
@@ -282,18 +290,19 @@ def serve_engine(
     commands_fd, messages_fd = commands.fileno(), messages.fileno()
     reader = FrameReader()
 
-    stats_sent = [0.0]  # when the front end last got the engine's stats
+    stats_sent = 0.0  # when the front end last got the engine's stats
 
     def emit(message: Message) -> None:
+        nonlocal stats_sent
         wire: object = message
         if isinstance(message, StepDone):
             r, now = message.report, time.monotonic()
             with_stats = r is not None and bool(
                 r.finished or message.scheduled or r.num_prompt_tokens
-                or now - stats_sent[0] >= _STATS_EVERY_S
+                or now - stats_sent >= _STATS_EVERY_S
             )  # fmt: skip
             if with_stats:
-                stats_sent[0] = now
+                stats_sent = now
             wire = encode_step(message, with_stats)
         try:
             blob = pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
