@@ -8,6 +8,10 @@ serve --concurrency 1`: the median time per output token) while the other side s
 shared machine the speed drifts by tens of percent within minutes, so only rounds taken side by
 side are compared: the result is the ratio of the medians (tokens/s through HTTP over tokens/s
 offline) and the median of the per-round ratios. Prints one JSON line.
+
+The bench client runs on this machine too. Left to the OS it sometimes landed on the CPU of the
+engine's main thread (bound there by `inferd serve`) and took ~0.2 ms of it per token; a remote
+client never would, so by default it is pinned to the last CPU, beside the server's front end.
 """
 
 from __future__ import annotations
@@ -42,11 +46,17 @@ def _offline_step_ms(args: argparse.Namespace) -> float:
 
 
 def _http_tpot_ms(args: argparse.Namespace, url: str, result: Path) -> float:
+    pin = None
+    if args.client_cpu >= 0:  # the client runs here too: keep it off the engine's main core
+
+        def pin() -> None:
+            os.sched_setaffinity(0, {args.client_cpu})
+
     subprocess.run(
         [*CLI, "bench", "serve", "--base-url", url, "--concurrency", "1",
          "--num-prompts", str(args.requests), "--input-len", str(args.input_len),
          "--output-len", str(args.output_len), "--ignore-eos", "--result-file", str(result)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True, text=True, check=True, cwd=ROOT, preexec_fn=pin,
     )  # fmt: skip
     return json.loads(result.read_text())["points"][0]["tpot_ms"]["p50"]
 
@@ -58,6 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", type=int, default=3, help="HTTP requests per round")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--client-cpu",
+        type=int,
+        default=max(os.sched_getaffinity(0)),
+        help="CPU for the bench client (default: the last, where `inferd serve` puts its HTTP "
+        "front end; the engine's main thread is bound to the first); -1: let the OS choose",
+    )
     p.add_argument("serve_args", nargs="*", help="after --: extra `inferd serve` arguments")
     args = p.parse_args(argv)
     port = _free_port()
@@ -96,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "http_overhead",
         "serve": serve[len(CLI) :],
         "threads": args.threads,
+        "client_cpu": args.client_cpu,
         "rounds": [{"offline_ms": o, "http_ms": h} for o, h in rounds],
         "offline_ms_per_token": offline,
         "http_ms_per_token": http,
