@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -87,7 +88,10 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, cons
   const float* wp = w.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  // At least ~32k weights per piece of work: a tiny layer (tests' random models) runs on the
+  // calling thread instead of paying for a parallel region.
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     switch (M) {
       case 1: rows_range<1>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
       case 2: rows_range<2>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
