@@ -179,6 +179,8 @@ def test_async_engine_in_a_process_directly() -> None:
     from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.core import RequestError
 
+    cpus = os.sched_getaffinity(0)
+
     async def main() -> None:
         engine = AsyncEngine(_tiny_engine, engine_process=True)
         engine.start()
@@ -201,3 +203,4 @@ def test_async_engine_in_a_process_directly() -> None:
         assert not engine.is_alive
 
     asyncio.run(main())
+    assert os.sched_getaffinity(0) == cpus  # a library caller's process is never moved

@@ -224,6 +224,8 @@ class AsyncEngine:
 
     `engine_process=True` runs the engine loop in a process of its own (then `engine_factory`
     must survive cloudpickle, and `engine` stays None); otherwise it runs on a thread.
+    `bind_cpus` (with a process) binds the engine's OpenMP threads from the first core and moves
+    this whole process to the last CPU: for a process that only serves HTTP (`inferd serve`).
     """
 
     def __init__(
@@ -233,6 +235,7 @@ class AsyncEngine:
         max_queue_len: int | None = None,
         observer: EngineObserver | None = None,
         engine_process: bool = False,
+        bind_cpus: bool = False,
     ) -> None:
         self.max_queue_len = max_queue_len
         self.observer = observer
@@ -240,7 +243,7 @@ class AsyncEngine:
         if engine_process:
             from inferd.engine.engine_proc import ProcessBackend
 
-            self._backend = ProcessBackend(engine_factory)
+            self._backend = ProcessBackend(engine_factory, bind_cpus)
         else:
             self._backend = ThreadBackend(engine_factory)
         self.info: EngineInfo | None = None

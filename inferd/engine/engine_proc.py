@@ -185,9 +185,12 @@ class ProcessBackend:
 
     core: EngineCore | None = None  # never in this process
 
-    def __init__(self, engine_factory: Callable[[], EngineCore]) -> None:
+    def __init__(self, engine_factory: Callable[[], EngineCore], bind_cpus: bool = False) -> None:
         # Pickled now, so a factory that cannot travel fails where it is built, not at start-up.
         self._factory_blob = cloudpickle.dumps(engine_factory)
+        # Binding moves this whole process to one CPU: right for `inferd serve`, whose process
+        # is the front end; wrong for a library caller (a test suite ran 2x slower after it).
+        self._bind = bind_cpus
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None  # our ends of the two pipes
         self._messages: Connection | None = None
@@ -204,7 +207,7 @@ class ProcessBackend:
             name="inferd-engine",
             daemon=True,  # killed with the server if it exits without a shutdown
         )  # fmt: skip
-        front_cpu = _bind_cpus(self._process)
+        front_cpu = _bind_cpus(self._process) if self._bind else self._process.start()
         if front_cpu is not None:
             logger.info("engine threads bound to cores from the first; HTTP front end on CPU %d",
                         front_cpu)  # fmt: skip

@@ -112,7 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
 
     engine = AsyncEngine(
-        build_engine, max_queue_len=args.max_queue_len, engine_process=args.engine_process
+        build_engine,
+        max_queue_len=args.max_queue_len,
+        engine_process=args.engine_process,
+        bind_cpus=args.engine_process,  # this process only serves HTTP: it may move
     )
     app = build_app(
         engine,
