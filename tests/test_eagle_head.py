@@ -13,10 +13,10 @@ from tiny_models import TinySpec, with_seed, write_hf_dir
 from inferd.loader import load_model
 from inferd.models import build_model
 from inferd.spec.eagle_data import instructions, target_hidden_states
-from inferd.spec.eagle_head import EagleHead
+from inferd.spec.eagle_head import DraftCache, EagleHead
 from inferd.spec.eagle_train_core import (
     TrainOptions,
-    flatten,
+    prepare,
     leading_matches,
     measure_acceptance,
     train_head,
@@ -40,25 +40,76 @@ def _sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def test_shapes_and_chained_draft(target) -> None:
-    torch.manual_seed(0)
-    head = EagleHead.for_target(target, num_blocks=2, intermediate_size=96)
-    h, v = target.config.hidden_size, target.config.vocab_size
-    hidden, tokens = torch.randn(5, h), torch.randint(0, v, (5,))
-    feature = head(hidden, tokens)
-    assert feature.shape == (5, h) and feature.dtype == torch.float32
-    drafted, logits = head.draft(hidden, tokens, 4, return_logits=True)
-    assert drafted.shape == (5, 4) and logits.shape == (5, 4, v)
-    # Chaining by hand: feed each predicted feature back with the token drafted from it.
-    f, tok = hidden, tokens
-    for j in range(4):
-        f = head(f, tok)
-        tok = target.compute_logits(f).argmax(-1)
-        assert torch.equal(tok, drafted[:, j])
-    assert head.draft(hidden, tokens, 0)[0].shape == (5, 0)
-    # A custom choice (what sampling at temperature > 0 plugs in) feeds its tokens back.
-    chosen, _ = head.draft(hidden, tokens, 3, choose=lambda logits, j: torch.full((5,), 7 + j))
-    assert chosen.tolist() == [[7, 8, 9]] * 5
+def _trained_like(target, seed: int = 0, **kwargs) -> EagleHead:
+    """A head with weights away from their init (so that every part of it matters)."""
+    torch.manual_seed(seed)
+    head = EagleHead.for_target(target, **kwargs)
+    for p in head.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return head.requires_grad_(False)
+
+
+def _cache_upto(head: EagleHead, hidden: torch.Tensor, tokens: torch.Tensor, t: int, lo: int = 0) -> DraftCache:
+    """What the engine's proposer holds once positions lo..t are computed (token t + 1 known)."""
+    cache = DraftCache(hidden, head.num_kv_heads, head.head_dim)
+    cache.write(lo, *head.cache_entries(hidden[lo : t + 1], tokens[lo + 1 : t + 2], torch.arange(lo, t + 1)))
+    return cache
+
+
+def test_engine_chains_equal_the_training_levels(target) -> None:
+    """Drafting from the engine's cache, step by step, computes the same features as training's
+    all-positions-at-once levels (chain step j from t = level j - 1 at position t + j - 1), when
+    the chain is fed the same tokens: what the training optimises is what the engine runs."""
+    head = _trained_like(target, intermediate_size=64)
+    seq = _sequences(1, 30, target.config.vocab_size)[0]
+    states = target_hidden_states(target, [seq])
+    h, toks = states.hidden[0], states.tokens[0]
+    levels = head.forward_levels(h[None], toks[None], torch.tensor([30]), 4)
+    assert [f.shape for f in levels] == [(1, 29, target.config.hidden_size)] * 4
+    for t in (0, 3, 17, 26):
+        k = min(4, 30 - t - 2)
+        # Feed the true tokens (as the levels do): `choose` picks them instead of the argmax.
+        drafted, logits = head.draft([_cache_upto(head, h, toks, t)], k, return_logits=True,
+                                     choose=lambda _, j, t=t: toks[t + 2 + j].view(1))  # fmt: skip
+        assert drafted[0].tolist() == toks[t + 2 : t + 2 + k].tolist()
+        for j in range(k):
+            want = head.compute_logits(levels[j][0, t + j][None])[0]
+            torch.testing.assert_close(logits[0, j], want, rtol=1e-4, atol=1e-4)
+    # Greedy drafting feeds its own tokens back: the first draft is the level-0 argmax.
+    greedy, _ = head.draft([_cache_upto(head, h, toks, 5)], 3)
+    assert greedy[0, 0] == head.greedy(levels[0][0, 5])
+    assert head.draft([_cache_upto(head, h, toks, 5)], 0)[0].shape == (1, 0)
+
+
+def test_batched_drafts_equal_one_cache_at_a_time(target) -> None:
+    """Caches of different lengths (and one that starts late, as after a prefix-cache hit) drafted
+    together give each the chain it gets alone."""
+    head = _trained_like(target, seed=1, intermediate_size=48)
+    seqs = _sequences(3, 24, target.config.vocab_size, seed=2)
+    states = target_hidden_states(target, seqs)
+    caches = [_cache_upto(head, states.hidden[0], states.tokens[0], 20),
+              _cache_upto(head, states.hidden[1], states.tokens[1], 4),
+              _cache_upto(head, states.hidden[2], states.tokens[2], 12, lo=8)]  # fmt: skip
+    together, logits = head.draft(caches, 3, return_logits=True)
+    for i, c in enumerate(caches):
+        alone, alone_logits = head.draft([c], 3, return_logits=True)
+        assert together[i].tolist() == alone[0].tolist()
+        torch.testing.assert_close(logits[i], alone_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_cache_grows_overwrites_and_restarts_after_a_gap() -> None:
+    kv = lambda n, base: (torch.zeros(n, 4), torch.full((n, 1, 2), float(base)), torch.full((n, 1, 2), -float(base)))  # noqa: E731
+    c = DraftCache(torch.zeros(1), 1, 2)
+    c.write(0, *kv(10, 1))
+    c.write(10, *kv(30, 2))  # grows past its first 16 rows
+    k, v = c.keys()
+    assert (c.lo, c.end) == (0, 40) and k[:10].eq(1).all() and k[10:].eq(2).all() and v[10:].eq(-2).all()
+    c.write(35, *kv(2, 3))  # a recomputation from position 35 (preemption): overwrite, shorten
+    assert (c.lo, c.end) == (0, 37) and c.keys()[0][35:].eq(3).all() and c.keys()[0][34].eq(2).all()
+    copy = c.copy()
+    c.write(50, *kv(3, 4))  # positions 37..49 never computed: start afresh at 50
+    assert (c.lo, c.end) == (50, 53) and c.keys()[0].eq(4).all()
+    assert (copy.lo, copy.end) == (0, 37)  # a fork's copy is its own
 
 
 def test_save_load_round_trip_is_bit_exact(target, tmp_path) -> None:
@@ -72,9 +123,13 @@ def test_save_load_round_trip_is_bit_exact(target, tmp_path) -> None:
     loaded = EagleHead.load(tmp_path / "head", target, device="cpu", dtype=torch.float32)
     a, b = head.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    hidden = torch.randn(3, target.config.hidden_size)
-    tokens = torch.tensor([5, 6, 7])
-    assert torch.equal(head(hidden, tokens), loaded(hidden, tokens))
+    seq = _sequences(1, 12, target.config.vocab_size)[0]
+    states = target_hidden_states(target, [seq])
+    h, toks = states.hidden[0], states.tokens[0]
+    a_feats = head.forward_levels(h[None], toks[None], torch.tensor([12]), 2)
+    b_feats = loaded.forward_levels(h[None], toks[None], torch.tensor([12]), 2)
+    assert all(torch.equal(x, y) for x, y in zip(a_feats, b_feats))
+    assert loaded.num_heads == target.config.num_heads and loaded.rope_theta == target.config.rope_theta
     assert not any(p.requires_grad for p in loaded.parameters())
     # The target's embedding and LM head are borrowed, never saved.
     assert not any("embed" in k and "norm" not in k for k in b)
@@ -100,7 +155,12 @@ def test_load_rejects_bad_paths_and_other_targets(target, tiny_models, tmp_path)
     with pytest.raises(ValueError, match="not an inferd draft head"):
         EagleHead.load(path, target)
     with pytest.raises(RuntimeError, match="not bound"):
-        EagleHead(8, 10)(torch.zeros(1, 8), torch.zeros(1, dtype=torch.long))
+        EagleHead(8, 10, 2, 1).inputs(torch.zeros(1, 8), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="bad draft head sizes"):
+        EagleHead(10, 10, 4, 2)  # 10 is no multiple of 4 heads
+    (path / "config.json").write_text(json.dumps({**head.config, "architecture": "fc-swiglu-v1"}))
+    with pytest.raises(ValueError, match="architecture 'fc-swiglu-v1' is not supported"):
+        EagleHead.load(path, target)
 
 
 def test_batched_hidden_states_equal_one_sequence_at_a_time(target) -> None:
@@ -114,15 +174,16 @@ def test_batched_hidden_states_equal_one_sequence_at_a_time(target) -> None:
 
 def test_a_few_training_steps_lower_the_loss(target) -> None:
     torch.manual_seed(0)
-    states = target_hidden_states(target, _sequences(8, 40, target.config.vocab_size))
+    seqs = _sequences(8, 40, target.config.vocab_size)
+    states = target_hidden_states(target, seqs)
     lm_weight = target.lm_head.weight.detach()
-    opts = TrainOptions(epochs=8, batch_size=64, unroll=2, lr=3e-3, log_every=0, noise=0.05)
-    data = flatten(states, lm_weight, opts.unroll)
-    assert len(data.starts) == 8 * (40 - 2)
+    opts = TrainOptions(epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05)
+    data = prepare(states, [5] * 8, lm_weight)
+    assert data.num_positions == 320 and data.greedy[0].shape == (40,)
     head = EagleHead.for_target(target, intermediate_size=128)
     losses = train_head(head, data, target.embed_tokens, lm_weight, opts)
-    assert len(losses) == 8 * 5  # ceil(304 / 64) steps per epoch
-    assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
+    assert len(losses) == 10 * 2  # 8 sequences, 4 a step
+    assert sum(losses[-4:]) / 4 < 0.7 * losses[0], losses
 
 
 def test_leading_matches_counts_until_the_first_mismatch() -> None:
@@ -143,25 +204,27 @@ def test_verification_steps_follow_the_accepted_tokens() -> None:
 
 
 def test_measure_acceptance_matches_drafting_by_hand(target) -> None:
-    torch.manual_seed(0)
-    head = EagleHead.for_target(target, intermediate_size=64).requires_grad_(False)
-    # A greedy continuation of the target itself, so acceptance follows what the engine would see.
+    head = _trained_like(target, seed=3, intermediate_size=64)
+    # A sequence the head's first drafts mostly continue (every third token another one), so that
+    # acceptances of 0, 1 and more all occur.
     seq = [5, 9, 14]
-    for _ in range(12):
-        h = target_hidden_states(target, [seq]).hidden[0]
-        seq.append(int(target.compute_logits(h[-1:]).argmax()))
+    for i in range(14):
+        st = target_hidden_states(target, [seq])
+        cache = _cache_upto(head, st.hidden[0], torch.tensor(seq + [0]), len(seq) - 2)
+        seq.append(int(head.draft([cache], 1)[0]) if i % 3 else (seq[-1] * 7 + 3) % target.config.vocab_size)
     states = target_hidden_states(target, [seq])
     start = 2
     result = measure_acceptance(head, states, [start], ks=(3, 5))
     h, toks = states.hidden[0], states.tokens[0]
     accepted = []
-    for p in range(start, len(seq) - 1):
-        d = head.draft(h[p : p + 1], toks[p + 1 : p + 2], 5)[0][0].tolist()
+    for p in range(start, len(seq) - 1):  # the engine's way: a cache up to p, then a chain
+        d = head.draft([_cache_upto(head, h, toks, p)], 5)[0][0].tolist()
         ref = seq[p + 2 : p + 7]
         n = 0
         while n < len(ref) and d[n] == ref[n]:
             n += 1
         accepted.append(n)
+    assert min(accepted) == 0 and max(accepted) >= 1, accepted
     full = [0] * start + accepted
     for k in (3, 5):
         steps = verification_steps(full, start, len(seq), k)
@@ -179,6 +242,13 @@ def test_instruction_splits_are_disjoint() -> None:
         instructions("test", 1)
     with pytest.raises(ValueError):
         instructions("eval", 10_000)
+    # The eval split starts with the free-form questions; the bench's chat prompts are in neither.
+    from inferd.bench.spec import CHAT_TASKS
+    from inferd.spec.eagle_data import EVAL_QUESTIONS
+
+    assert instructions("eval", len(EVAL_QUESTIONS)) == list(EVAL_QUESTIONS)
+    everything = set(instructions("train", 5000)) | set(instructions("eval", 200))
+    assert not everything & set(CHAT_TASKS)
 
 
 def test_rank_tokens_counts_first_then_ids() -> None:
@@ -205,22 +275,20 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
     torch.manual_seed(0)
     path = EagleHead.for_target(target).save(tmp_path / "head")
     v, h = target.config.vocab_size, target.config.hidden_size
-    hidden, tokens = torch.randn(6, h), torch.randint(0, v, (6,))
     full = EagleHead.load(path, target)
     assert full.draft_vocab_size is None
-    want, _ = full.draft(hidden, tokens, 4)
+    caches = [_cache_upto(full, torch.randn(8, h), torch.randint(0, v, (8,)), t) for t in (2, 6, 6, 4)]
+    want, _ = full.draft(caches, 4)
     ids = torch.arange(v)[torch.randperm(v, generator=torch.Generator().manual_seed(1))[:150]].sort().values
     draft_vocab.save(path, ids)
     reduced = EagleHead.load(path, target)
     assert reduced.draft_vocab_size == 150
-    got, _ = reduced.draft(hidden, tokens, 4)
-    f, tok = hidden, tokens
-    for j in range(4):  # by hand: the full logits restricted to the subset
-        f = full(f, tok)
-        tok = ids[target.compute_logits(f)[:, ids].argmax(-1)]
-        assert torch.equal(tok, got[:, j])
+    got, _ = reduced.draft(caches, 4)
+    # By hand: the full logits restricted to the subset, the chosen token fed back.
+    by_hand, _ = full.draft(caches, 4, choose=lambda logits, j: ids[logits[:, ids].argmax(-1)])
+    assert torch.equal(got, by_hand)
     assert torch.isin(got, ids).all() and not torch.equal(got, want)
-    assert torch.equal(full.set_draft_vocab(torch.arange(v)).draft(hidden, tokens, 4)[0], want)
+    assert torch.equal(full.set_draft_vocab(torch.arange(v)).draft(caches, 4)[0], want)
     (path / draft_vocab.FILE).write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="unreadable draft vocabulary"):
         EagleHead.load(path, target)
@@ -232,15 +300,17 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
 def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     from inferd.spec.train_eagle import EagleRecipe, train_eagle
 
-    opts = TrainOptions(epochs=1, batch_size=32, unroll=2, log_every=0)
+    opts = TrainOptions(epochs=2, batch_size=4, unroll=2, log_every=0)
     recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), num_prompts=6,
-                         eval_prompts=3, max_tokens=12, intermediate_size=64,
-                         kv_cache_memory=8 << 20, draft_vocab_size=100, train=opts)  # fmt: skip
+                         eval_prompts=10, max_tokens=12, intermediate_size=64,
+                         kv_cache_memory=8 << 20, draft_vocab_size=100, data_cache=False,
+                         train=opts)  # fmt: skip
     report = train_eagle(recipe)
     acc = report["acceptance"]
     for k in (3, 5):
         assert 1.0 <= acc[f"k{k}_acceptance_length"] <= k + 1
-    assert report["eval_prompts"] == 3 and report["size_bytes"] > 0
+        assert 1.0 <= acc["free_form"][f"k{k}_acceptance_length"] <= k + 1
+    assert report["eval_prompts"] == 10 and report["size_bytes"] > 0 and report["train_sequences"] == 6
     head = EagleHead.load(tmp_path / "head", _target(tiny_llama_hf.path))
     assert head.intermediate_size == 64 and head.draft_vocab_size == 100
     assert json.loads((tmp_path / "head" / "train_report.json").read_text())["out"] == report["out"]

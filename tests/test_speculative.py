@@ -306,3 +306,64 @@ def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path, vocab
     assert _run(llm) == reference()[0]
     assert llm.engine.get_stats().spec_num_drafts > 0
     llm.engine.check_no_leaks()
+
+
+def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, tmp_path):
+    """After every step, the proposer's per-sequence cache holds the head's keys and values of
+    each position the target computed (prompt chunks, decodes, the accepted part of a
+    verification), equal to those computed offline from the whole sequence; a prompt prefix
+    served from the prefix cache is left out (the cache starts after it), and nothing is left
+    behind once requests end."""
+    from inferd.spec.eagle_data import target_hidden_states
+    from inferd.spec.eagle_head import EagleHead
+
+    from inferd.spec.eagle_train_core import TrainOptions, prepare, train_head
+
+    plain = _llm(tiny_llama_gguf.path)
+    target = plain.engine.runner.model
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6] * 5  # 40 tokens: prefilled in 16-token chunks
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # A head that learned this very continuation by heart: many drafts accepted, some not.
+    (out,) = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    states = target_hidden_states(target, [prompt + list(out.outputs[0].token_ids)])
+    lm = target.lm_head.weight.detach()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(target)
+    train_head(head, prepare(states, [len(prompt)], lm), target.embed_tokens, lm,
+               TrainOptions(epochs=60, batch_size=1, lr=3e-3, noise=0.0, log_every=0))  # fmt: skip
+    head.save(tmp_path / "head")
+    llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
+                                      "num_speculative_tokens": 3},
+               enable_prefix_caching=True, max_num_batched_tokens=16)  # fmt: skip
+    engine = llm.engine
+    checked = []
+
+    def run(request_id: str) -> None:
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                cache = engine.proposer.caches.get(seq.seq_id)
+                if cache is None:
+                    continue
+                n = cache.end
+                states = target_hidden_states(target, [seq.token_ids[:n]])
+                _, k, v = engine.proposer.head.cache_entries(
+                    states.hidden[0], torch.tensor(seq.token_ids[1 : n + 1]), torch.arange(n))
+                kc, vc = cache.keys()
+                torch.testing.assert_close(kc, k[cache.lo :], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(vc, v[cache.lo :], rtol=1e-4, atol=1e-4)
+                assert n >= seq.num_computed_tokens - 1  # nothing the target computed is missing
+                checked.append((request_id, cache.lo, n))
+
+    run("first")
+    run("second")  # the same prompt: its first full blocks come from the prefix cache
+    firsts = [c for c in checked if c[0] == "first"]
+    seconds = [c for c in checked if c[0] == "second"]
+    assert firsts and all(lo == 0 for _, lo, _ in firsts)
+    assert seconds and all(lo > 0 and lo % engine.kv.block_size == 0 for _, lo, _ in seconds)
+    stats = engine.get_stats()
+    # Verifications kept several rows, and rejected some (both paths of the bookkeeping ran).
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert len(checked) > 10
+    engine.check_no_leaks()

@@ -124,6 +124,7 @@ class EngineCore:
         self._structured: StructuredOutputManager | None = None  # built on first use (~0.3 s)
         self._structured_lock = threading.Lock()
         self.proposer = build_proposer(self)
+        self._forked: dict[int, list[Sequence]] = {}  # a step's n > 1 children, by parent
         self.spec_policy: SpecPolicy | None = None
         if self.proposer is not None:
             spec = config.speculative
@@ -270,7 +271,11 @@ class EngineCore:
         masks = None
         if self._structured is not None and any(s.matcher is not None for s in will_sample):
             masks = self._structured.fill_async([s.matcher for s in will_sample])
-        logits, hidden, batch = self.runner.execute(out)
+        self._forked = {}
+        observing = self.proposer is not None and self.proposer.needs_hidden
+        # Each scheduled sequence's first position this step (its rows follow in order).
+        starts = [seq.num_computed_tokens for seq, _ in out.scheduled] if observing else None
+        logits, hidden, batch = self.runner.execute(out, all_hidden=observing)
         for seq, n in out.scheduled:
             if seq.spec_token_ids:
                 continue  # a verification: advanced below, once the accepted drafts are known
@@ -294,8 +299,10 @@ class EngineCore:
                 plain_rows.append(row)
                 plain_seqs.append(seq)
             row += count
-        now_deltas = self._sample_plain(logits, hidden, plain_rows, plain_seqs, batch, will_sample, masks)
-        deltas = now_deltas + self._verify(logits, hidden, spec_rows, spec_seqs)
+        now_deltas = self._sample_plain(logits, plain_rows, plain_seqs, batch, will_sample, masks)
+        deltas = now_deltas + self._verify(logits, spec_rows, spec_seqs)
+        if starts is not None:
+            self._observe(out.scheduled, starts, batch.hidden)
         if self.spec_policy is not None and spec_seqs:
             drafts = sum(len(s.spec_token_ids) for s in spec_seqs)
             self.spec_policy.record_proposer_time(propose_seconds, len(spec_seqs), drafts,
@@ -306,14 +313,13 @@ class EngineCore:
         self.stats_logger.maybe_log(self.stats)
         return deltas
 
-    def _sample_plain(self, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int],
-                      seqs: list[Sequence], batch, will_sample: list[Sequence], masks) -> list[SequenceDelta]:  # fmt: skip
+    def _sample_plain(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], batch,
+                      will_sample: list[Sequence], masks) -> list[SequenceDelta]:  # fmt: skip
         """Sequences that sample one token (decodes, ends of prefills; forks of n > 1 here)."""
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:  # verification rows are in the batch too
-            index = torch.tensor(rows, device=logits.device)
-            logits, hidden = logits[index], hidden[index]
+            logits = logits[torch.tensor(rows, device=logits.device)]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for r, seq in enumerate(seqs):
@@ -331,12 +337,9 @@ class EngineCore:
         self.stats.generation_tokens_total += len(sample_seqs)
         deltas = [self._append_tokens(seq, [tok], [lp], now)
                   for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
-        if self.proposer is not None and self.proposer.needs_hidden:
-            self._observe(sample_seqs, hidden, sample_rows)
         return deltas
 
-    def _verify(self, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int],
-                seqs: list[Sequence]) -> list[SequenceDelta]:  # fmt: skip
+    def _verify(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SequenceDelta]:
         """Sequences that verified draft tokens: keep the accepted ones plus the target's next
         token, and roll the KV of the rejected ones back."""
         if not seqs:
@@ -345,8 +348,6 @@ class EngineCore:
         results = verify(logits[index], seqs, self.eos_token_ids, self.model_config.vocab_size)
         now = self.clock()
         deltas: list[SequenceDelta] = []
-        last_rows: list[int] = []  # per sequence: the row of its last accepted token
-        offset = 0
         stats = self.stats
         for seq, res in zip(seqs, results):
             k = len(seq.spec_token_ids)
@@ -363,18 +364,25 @@ class EngineCore:
             if not seq.is_finished:
                 self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
                 self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            last_rows.append(rows[offset + res.num_accepted])
-            offset += k + 1
-        if self.proposer.needs_hidden:
-            self._observe(seqs, hidden, last_rows)
         return deltas
 
-    def _observe(self, seqs: list[Sequence], hidden: torch.Tensor, rows: list[int]) -> None:
-        """Hand the proposer each still-running sequence's hidden state (row of `hidden`)."""
-        keep = [i for i, s in enumerate(seqs) if not s.is_finished]
-        if keep:
-            index = torch.tensor([rows[i] for i in keep], device=hidden.device)
-            self.proposer.observe([seqs[i] for i in keep], hidden[index])
+    def _observe(self, scheduled: list[tuple[Sequence, int]], starts: list[int], hidden: torch.Tensor) -> None:
+        """Hand the proposer the hidden states of the positions each still-running sequence got
+        this step: all its rows, but of a verification only the last real token and the accepted
+        drafts (num_computed_tokens has moved past exactly those)."""
+        seqs, firsts, rows = [], [], []
+        row = 0
+        for (seq, n), start in zip(scheduled, starts):
+            done = min(n, seq.num_computed_tokens - start)
+            # Children forked this step share the parent's prompt rows (each its own next token).
+            for s in (seq, *self._forked.get(seq.seq_id, ())):
+                if not s.is_finished and done > 0:
+                    seqs.append(s)
+                    firsts.append(start)
+                    rows.append(hidden[row : row + done])
+            row += n
+        if seqs:
+            self.proposer.observe(seqs, firsts, rows)
 
     def _propose(self) -> float:
         """Ask the proposer for drafts for the running decodes the policy lets speculate;
@@ -412,7 +420,10 @@ class EngineCore:
             state.seqs.append(child)
             state.detoks[child.seq_id] = IncrementalDetokenizer(self.tokenizer, parent.params)
             children.append(child)
+            if self.proposer is not None:
+                self.proposer.fork(parent, child)
         parent.pending_forks = 0
+        self._forked[parent.seq_id] = children
         return children
 
     def _append_tokens(

@@ -58,6 +58,8 @@ class StepBatch:
     sample_seqs: list[Sequence]
     # Per sampling sequence, how many consecutive sample_rows are its own: 1, or 1 + k drafts.
     sample_counts: list[int]
+    # Every row's final hidden state, when `execute` was asked for them (a learned draft head).
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -195,9 +197,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+    def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
-        final hidden states of the same rows (a learned draft head reads them)."""
+        final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
         copies = self.kv.take_pending_copies()
         if copies:
             src = self._tensor([s for s, _ in copies])
@@ -205,6 +207,8 @@ class ModelRunner:
             self.kv_cache.copy_blocks(src, dst)
         batch = self.prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if all_hidden:
+            batch.hidden = hidden
         if not batch.sample_rows:
             empty = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             return empty, hidden[:0], batch

@@ -32,6 +32,22 @@ TEMPLATES = (
     "Write a short blog post introduction about {t}.",
     "What questions should I ask an expert on {t}?",
     "Compare {t} with something most people already know.",
+    "What is {t}?",
+    "How does {t} work?",
+    "Tell me something surprising about {t}.",
+    "What should everyone know about {t}?",
+    "Can you help me understand {t}?",
+    "What are the most important things to learn about {t}?",
+    "Write a haiku about {t}.",
+    "What would the world be like without {t}?",
+    "Give me a fun quiz question about {t} and its answer.",
+    "What are some good books or resources for learning about {t}?",
+    "I am curious about {t}. Where should I start?",
+    "Write a short dialogue between two friends talking about {t}.",
+    "What are the main benefits of {t}?",
+    "What problems are caused by {t}, and how can they be solved?",
+    "Explain the basic ideas behind {t} in a few sentences.",
+    "Give me an example that shows how {t} works in everyday life.",
 )
 TOPICS = (
     "photosynthesis", "black holes", "the French Revolution", "machine learning", "coffee",
@@ -43,21 +59,55 @@ TOPICS = (
     "the water cycle", "democracy", "cats", "running", "saving money", "the solar system",
     "learning a new language", "public speaking", "bread baking", "the printing press",
     "databases", "origami", "jazz", "glaciers", "volunteering",
-)  # fmt: skip
+    "dogs", "rainbows", "the pyramids of Egypt", "nutrition", "yoga", "photography",
+    "smartphones", "electric cars", "the Olympic Games", "mountains", "deserts", "coral reefs",
+    "the human heart", "exercise", "budgeting", "job interviews", "writing a resume",
+    "camping", "traveling abroad", "the Renaissance", "ancient Greece", "World War II",
+    "the Industrial Revolution", "gravity", "magnets", "atoms", "DNA", "evolution",
+    "the periodic table", "algebra", "geometry", "statistics", "probability", "fractions",
+    "computer viruses", "cybersecurity", "cloud computing", "video games", "social media",
+    "artificial intelligence", "robots", "space travel", "Mars", "satellites", "telescopes",
+    "the weather", "hurricanes", "snow", "rivers", "forests", "birds", "whales", "ants",
+    "butterflies", "sharks", "elephants", "penguins", "the Amazon River", "Antarctica",
+    "pizza", "chocolate", "cheese", "vegetables", "breakfast", "healthy eating", "water",
+    "the piano", "the guitar", "classical music", "painting", "poetry", "theater", "movies",
+    "libraries", "museums", "schools", "homework", "exams", "teamwork", "leadership",
+    "kindness", "happiness", "stress", "habits", "motivation", "creativity", "curiosity",
+    "the economy", "inflation", "taxes", "banks", "small businesses", "marketing",
+    "emails", "meetings", "remote work", "cities", "trains", "bridges", "skyscrapers",
+    "plastic pollution", "solar panels", "nuclear power", "batteries", "light", "sound",
+    "the seasons", "calendars", "clocks", "maps", "the alphabet", "numbers", "soccer",
+    "basketball", "swimming", "cycling races", "board games", "puzzles", "magic tricks",
+)
 # Topics only the eval split uses.
-EVAL_TOPICS = ("the moon landing", "tea", "wind turbines", "octopuses", "meditation",
-               "the Great Wall of China", "spreadsheets", "thunderstorms")  # fmt: skip
+EVAL_TOPICS = ("the moon landing", "wind turbines", "octopuses", "meditation",
+               "the Great Wall of China", "spreadsheets", "thunderstorms", "volcanic islands")
+# Questions unlike the templates (the kind `inferd bench spec --tasks chat` asks), for the eval
+# split only: acceptance on them says how well the head generalises beyond the recipe's forms.
+EVAL_QUESTIONS = (
+    "How do I fix a flat tire on my bike?",
+    "What is a good way to start learning to draw?",
+    "Why do leaves change color in autumn?",
+    "Can you suggest a simple dinner I can cook in twenty minutes?",
+    "What is the difference between weather and climate?",
+    "How can I stay focused while studying at home?",
+    "What are some fun things to do on a rainy day?",
+    "How do airplanes stay in the air?",
+)  # fmt: skip
 
 
 def instructions(split: str, n: int, seed: int = 0) -> list[str]:
-    """`n` distinct chat instructions of the "train" or "eval" split, shuffled with `seed`."""
+    """`n` distinct chat instructions of the "train" or "eval" split, shuffled with `seed` (the
+    eval split's free-form questions come first)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
     topics = TOPICS if split == "train" else EVAL_TOPICS
     pool = [t.format(t=topic) for topic in topics for t in TEMPLATES]
+    random.Random(seed).shuffle(pool)
+    if split == "eval":
+        pool = list(EVAL_QUESTIONS) + pool
     if n > len(pool):
         raise ValueError(f"the {split} split has {len(pool)} instructions, {n} asked")
-    random.Random(seed).shuffle(pool)
     return pool[:n]
 
 

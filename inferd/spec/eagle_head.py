@@ -1,17 +1,23 @@
-"""EAGLE-style learned draft head: from the target's hidden state at position t and the token at
-t + 1, predict the target's hidden state at t + 1, in the target's own space, so that the target's
-LM head turns it into logits for the token at t + 2. Chaining k steps (feed the predicted feature
-back with the drafted token) drafts k tokens for the target to verify in one forward.
+"""EAGLE-style learned draft head (EAGLE-1's shape): from the target's hidden state at position t
+and the token at t + 1, predict the target's hidden state at t + 1, in the target's own space, so
+that the target's LM head turns it into logits for the token at t + 2. Chaining k steps (feed the
+predicted feature back with the drafted token) drafts k tokens for the target to verify in one
+forward.
+
+    x_t     = fc([norm_h(h_t), norm_e(embed(token_{t+1}))])
+    feature = out_norm(y + mlp(norm(y))),  y = x_t + attention(norm(x_t) at t; keys/values of x_0..x_t)
+
+The one attention layer looks back over the whole sequence: the keys and values of every earlier
+position come from the target's true hidden states (a cache the engine keeps per sequence, see
+inferd.spec.eagle), those of the chain's own earlier steps from the head's predictions. The
+target's final hidden state mostly encodes its next token; the attention gives the head the
+context it needs for the tokens after that (without it, the same recipe reached a mean acceptance
+length of 1.6 on held-out chat, see README).
 
 The head borrows the target's embedding (`target.embed_tokens`) and LM head
-(`target.compute_logits`); neither is saved with it. It has no KV cache and no attention over
-history: the target's hidden state already summarises the context, and a stateless head keeps the
-engine's side to "call it k times on [B, H] rows".
-
-    feature = out_norm(x + Σ swiglu_block(x)),  x = fc([norm_h(hidden), norm_e(embed(token))])
-
-`out_norm` starts as a copy of the target's final norm: the target's hidden states (which
-`LlamaForCausalLM.forward` returns after that norm) live on its scale, and so do the predictions.
+(`target.compute_logits`); neither is saved with it. `out_norm` starts as a copy of the target's
+final norm: the target's hidden states (which `LlamaForCausalLM.forward` returns after that norm)
+live on its scale, and so do the predictions.
 
 On disk (`save` / `load`): a directory with `model.safetensors` (the head's weights) and
 `config.json` (sizes, architecture, and the target's identity, so a head is never silently run
@@ -36,28 +42,13 @@ from torch import nn
 from inferd.spec import draft_vocab
 
 FORMAT = "inferd-eagle-head"
-ARCHITECTURE = "fc-swiglu-v1"
+ARCHITECTURE = "fc-attn-v1"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Rows of the target's embedding kept (first FINGERPRINT_DIMS values each) to recognise it later:
 # the same model under another quantization matches within tolerance, another model does not.
 FINGERPRINT_DIMS = 16
 FINGERPRINT_MIN_COSINE = 0.98
-
-
-class SwiGLUBlock(nn.Module):
-    """Pre-norm residual MLP, the shape of a Llama MLP: x + down(silu(gate(n(x))) * up(n(x)))."""
-
-    def __init__(self, hidden: int, inter: int, eps: float) -> None:
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden, eps=eps)
-        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-        self.inter = inter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(self.norm(x)).split(self.inter, dim=-1)
-        return x + self.down(F.silu(gate) * up)
 
 
 def _fingerprint_ids(vocab_size: int) -> torch.Tensor:
@@ -97,6 +88,56 @@ def check_target(saved: dict[str, Any], target: nn.Module, where: str = "") -> N
                              f"cosine {cos:.3f})")  # fmt: skip
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split layout ([x1, x2] -> [x1·c - x2·s, x2·c + x1·s]), in plain
+    differentiable ops (training runs through it). cos, sin: [..., D/2], broadcast over heads."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DraftCache:
+    """The keys and values of one sequence's true positions [lo, end) (from the target's hidden
+    states), in buffers that grow by doubling; `x_last` is the head's input at end - 1, where
+    the next chain of drafts starts."""
+
+    __slots__ = ("k", "v", "lo", "end", "x_last")
+
+    def __init__(self, like: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+        self.k = like.new_empty((16, kv_heads, head_dim))
+        self.v = like.new_empty((16, kv_heads, head_dim))
+        self.lo = self.end = 0
+        self.x_last: torch.Tensor | None = None
+
+    def write(self, start: int, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries for positions [start, start + len(k)). Writing at or before `end` overwrites
+        from there (a recomputation after preemption); a gap starts the cache afresh at `start`
+        (positions the target did not compute, e.g. a prefix served from its cache)."""
+        if start > self.end or start < self.lo:
+            self.lo = self.end = start
+        n = len(k)
+        need = start + n - self.lo
+        if need > len(self.k):
+            cap = max(need, 2 * len(self.k))
+            grown_k, grown_v = self.k.new_empty((cap, *self.k.shape[1:])), self.v.new_empty((cap, *self.v.shape[1:]))
+            used = self.end - self.lo
+            grown_k[:used], grown_v[:used] = self.k[:used], self.v[:used]
+            self.k, self.v = grown_k, grown_v
+        self.k[start - self.lo : need] = k
+        self.v[start - self.lo : need] = v
+        self.end = start + n
+        self.x_last = x[-1]
+
+    def copy(self) -> DraftCache:
+        other = DraftCache.__new__(DraftCache)
+        other.k, other.v = self.k.clone(), self.v.clone()
+        other.lo, other.end, other.x_last = self.lo, self.end, self.x_last
+        return other
+
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.end - self.lo
+        return self.k[:n], self.v[:n]
+
+
 class EagleHead(nn.Module):
     """The draft head. `bind(target)` (done by `load`) lends it the target's embedding and LM head
     (training binds the fp32 copy of the target, which autograd can run through)."""
@@ -105,28 +146,41 @@ class EagleHead(nn.Module):
         self,
         hidden_size: int,
         vocab_size: int,
-        num_blocks: int = 1,
+        num_heads: int,
+        num_kv_heads: int,
         intermediate_size: int | None = None,
         rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
         target: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or vocab_size <= 0 or num_blocks < 0:
+        if (hidden_size <= 0 or vocab_size <= 0 or num_heads <= 0 or num_kv_heads <= 0
+                or hidden_size % num_heads or num_heads % num_kv_heads
+                or (hidden_size // num_heads) % 2):  # fmt: skip
             raise ValueError(f"bad draft head sizes: hidden {hidden_size}, vocab {vocab_size}, "
-                             f"blocks {num_blocks}")  # fmt: skip
+                             f"heads {num_heads}, kv heads {num_kv_heads}")  # fmt: skip
         inter = intermediate_size or 2 * hidden_size
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.num_blocks, self.intermediate_size, self.rms_norm_eps = num_blocks, inter, rms_norm_eps
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.intermediate_size, self.rms_norm_eps, self.rope_theta = inter, rms_norm_eps, rope_theta
         self.target_info = dict(target or {})
+        d, kv = self.head_dim, num_kv_heads * self.head_dim
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.embed_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.blocks = nn.ModuleList(SwiGLUBlock(hidden_size, inter, rms_norm_eps)
-                                    for _ in range(num_blocks))  # fmt: skip
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.qkv = nn.Linear(hidden_size, num_heads * d + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(num_heads * d, hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.gate_up = nn.Linear(hidden_size, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden_size, bias=False)
         self.out_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
-        # Small residual branches at init: each block starts near the identity.
-        for b in self.blocks:
-            nn.init.normal_(b.down.weight, std=0.02 / math.sqrt(2 * max(num_blocks, 1)))
+        # Small residual branches at init: the layer starts near the identity.
+        nn.init.normal_(self.o_proj.weight, std=0.02 / math.sqrt(2))
+        nn.init.normal_(self.down.weight, std=0.02 / math.sqrt(2))
+        # fp64, outside the module's buffers: `.to(dtype)` must not round it.
+        self.__dict__["_inv_freq"] = 1.0 / rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         # The bound target, outside the module tree: never saved, moved or trained with the head.
         self.__dict__["_target"] = None
         # (token ids [N], LM head over those rows) when drafting over a reduced vocabulary.
@@ -135,9 +189,13 @@ class EagleHead(nn.Module):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def for_target(cls, target: nn.Module, **kwargs: Any) -> EagleHead:
-        """A fresh head sized for `target`, its output norm copied from the target's final norm."""
+        """A fresh head sized for `target` (its attention heads of the target's width), its output
+        norm copied from the target's final norm."""
         cfg = target.config
         kwargs.setdefault("rms_norm_eps", cfg.rms_norm_eps)
+        kwargs.setdefault("rope_theta", cfg.rope_theta)
+        kwargs.setdefault("num_heads", cfg.num_heads)
+        kwargs.setdefault("num_kv_heads", cfg.num_kv_heads)
         head = cls(cfg.hidden_size, cfg.vocab_size, target=target_identity(target), **kwargs)
         with torch.no_grad():
             head.out_norm.weight.copy_(target.norm.weight.float())
@@ -150,9 +208,11 @@ class EagleHead(nn.Module):
             "architecture": ARCHITECTURE,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
-            "num_blocks": self.num_blocks,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
             "intermediate_size": self.intermediate_size,
             "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
             "target": self.target_info,
         }
 
@@ -196,58 +256,186 @@ class EagleHead(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # ---- compute -----------------------------------------------------------------------------
-    def forward(
+    # ---- the layer's pieces (any leading shape) ----------------------------------------------
+    def inputs(
         self,
-        hidden: torch.Tensor,  # [B, H] target hidden state at t (after its final norm)
-        token_ids: torch.Tensor,  # [B] token at t + 1
+        hidden: torch.Tensor,  # [..., H] target hidden state at t (or the head's prediction of it)
+        token_ids: torch.Tensor,  # [...] token at t + 1
         embed_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Predicted target hidden state at t + 1: [B, H] in the head's dtype."""
+        """The layer's input x_t [..., H] in the head's dtype."""
         embed = embed_fn or self.target.embed_tokens
         dtype = self.fc.weight.dtype
         e = embed(token_ids).to(dtype)
-        x = torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1)
-        x = self.fc(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out_norm(x)
+        return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq.device != positions.device:
+            self.__dict__["_inv_freq"] = self._inv_freq.to(positions.device)
+        freqs = positions.to(torch.float64).unsqueeze(-1) * self._inv_freq  # [..., D/2]
+        return freqs.cos().to(dtype).unsqueeze(-2), freqs.sin().to(dtype).unsqueeze(-2)
+
+    def qkv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated queries [..., NH, D], keys [..., KVH, D] and values [..., KVH, D] of x at
+        `positions` (shaped like x without its last dimension)."""
+        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv(self.attn_norm(x)).split([nh * d, nkv * d, nkv * d], dim=-1)
+        cos, sin = self._rope(positions, x.dtype)
+        q = rotate(q.unflatten(-1, (nh, d)), cos, sin)
+        k = rotate(k.unflatten(-1, (nkv, d)), cos, sin)
+        return q, k, v.unflatten(-1, (nkv, d))
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output feature [..., H] from its input x and the attention [..., NH, D]."""
+        y = x + self.o_proj(attn.flatten(-2))
+        gate, up = self.gate_up(self.mlp_norm(y)).chunk(2, dim=-1)
+        return self.out_norm(y + self.down(F.silu(gate) * up))
 
     def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V] of the target's LM head applied to predicted features."""
         target = self.target
         return target.compute_logits(feature.to(target.norm.weight.dtype))
 
+    def greedy(self, feature: torch.Tensor) -> torch.Tensor:
+        """The draft token of each feature [..., H]: argmax of the target's LM head, over the
+        draft vocabulary when one is set (what greedy drafting picks)."""
+        if self._draft_vocab is not None:
+            ids, rows = self._draft_vocab
+            return ids[rows(feature.to(self.target.norm.weight.dtype)).argmax(dim=-1)]
+        return self.compute_logits(feature).argmax(dim=-1)
+
+    # ---- training: every position of whole sequences at once ---------------------------------
+    def forward_levels(
+        self,
+        hidden: torch.Tensor,  # [B, T, H] the target's hidden states
+        tokens: torch.Tensor,  # [B, T]
+        lengths: torch.Tensor,  # [B] real length of each (padded) sequence
+        levels: int,
+        embed_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """The features [B, T - 1, H] of `levels` chained steps, drafting from every position at
+        once, each position p of level l (l = 0..levels-1) computed as the engine would at chain
+        step l + 1 from start t = p - l: its input pairs level l - 1's prediction at p - 1 with the
+        true token p + 1 (at level 0, the target's h_p), and its attention sees the true keys of
+        positions <= t plus the chain's own keys at t + 1..p (one from each earlier level). Rows
+        of level l predict the target's hidden state at p + 1; those with p < l are meaningless.
+        Up to the first wrong draft, drafted tokens are the true ones, so these are exactly the
+        features the engine's chains compute: training and the offline acceptance both use it."""
+        if int(lengths.min()) < 2:
+            raise ValueError("every sequence needs at least 2 tokens")
+        b, t1 = hidden.shape[0], hidden.shape[1] - 1
+        pos = torch.arange(t1, device=hidden.device)
+        positions = pos.expand(b, t1)
+        key_ok = pos[None, :] < (lengths[:, None] - 1)  # [B, T-1] a real position with a next token
+        scale = self.head_dim ** -0.5
+        group = self.num_heads // self.num_kv_heads
+        feats: list[torch.Tensor] = []
+        keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per level: [B, T-1, KVH, D] each
+        prev = hidden[:, :-1]
+        for level in range(levels):
+            if level == 0:
+                x = self.inputs(prev, tokens[:, 1:], embed_fn)
+            else:  # prediction of h_p from position p - 1, with the token at p + 1
+                shifted = torch.cat([prev[:, :1], prev[:, :-1]], dim=1)
+                x = self.inputs(shifted, tokens[:, 1:], embed_fn)
+            q, k, v = self.qkv_of(x, positions)
+            keys.append((k, v))
+            q = q.transpose(1, 2)  # [B, NH, T-1, D]
+            k0 = keys[0][0].repeat_interleave(group, dim=2).transpose(1, 2)
+            v0 = keys[0][1].repeat_interleave(group, dim=2).transpose(1, 2)
+            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, NH, Tq, Tk]
+            visible = (pos[None, :] <= pos[:, None] - level) & key_ok[:, None, :]  # [B, Tq, Tk]
+            scores = scores.masked_fill(~visible[:, None], float("-inf"))
+            extra_s, extra_v = [], []
+            for m in range(1, level + 1):  # the chain's own key from level m, at p - level + m
+                km, vm = keys[m]
+                lag = level - m
+                km = km.repeat_interleave(group, dim=2).transpose(1, 2)
+                vm = vm.repeat_interleave(group, dim=2).transpose(1, 2)
+                if lag:
+                    km = torch.cat([km[:, :, :1].expand(-1, -1, lag, -1), km[:, :, :-lag]], dim=2)
+                    vm = torch.cat([vm[:, :, :1].expand(-1, -1, lag, -1), vm[:, :, :-lag]], dim=2)
+                extra_s.append((q * km).sum(-1, keepdim=True) * scale)  # [B, NH, Tq, 1]
+                extra_v.append(vm)
+            # Rows p < level see no true key, but their chain's own keys keep the softmax finite
+            # (their outputs are never used); at level 0 every row sees position 0.
+            scores = torch.cat([scores, *extra_s], dim=-1)
+            probs = torch.softmax(scores, dim=-1)
+            out = probs[..., :t1] @ v0  # [B, NH, Tq, D]
+            for i, vm in enumerate(extra_v):
+                out = out + probs[..., t1 + i : t1 + i + 1] * vm
+            feature = self.finish(x, out.transpose(1, 2))
+            feats.append(feature)
+            prev = feature
+        return feats
+
+    # ---- inference: chains from the engine's caches ------------------------------------------
+    @torch.no_grad()
+    def cache_entries(
+        self,
+        hidden: torch.Tensor,  # [N, H] the target's hidden states at `positions`
+        next_tokens: torch.Tensor,  # [N] the token after each position
+        positions: torch.Tensor,  # [N]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [N, H], keys [N, KVH, D], values [N, KVH, D]) of true positions, for DraftCache."""
+        x = self.inputs(hidden, next_tokens)
+        _, k, v = self.qkv_of(x, positions)
+        return x, k, v
+
     @torch.no_grad()
     def draft(
         self,
-        hidden: torch.Tensor,  # [B, H]
-        token_ids: torch.Tensor,  # [B]
+        caches: list[DraftCache],
         k: int,
         return_logits: bool = False,
         choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A chain of k drafted tokens [B, k] (for tokens t + 2 .. t + k + 1) and, when asked, the
-        logits each was drafted from [B, k, V] fp32 (what rejection sampling needs as q).
+        """Chains of k drafted tokens [B, k], one per cache, each from the cache's last position t
+        (tokens t + 2 .. t + k + 1), and, when asked, the logits each was drafted from [B, k, V]
+        fp32 (what rejection sampling needs as q). Every cache must hold a position.
 
         `choose(logits [B, V], step) -> tokens [B]` picks each drafted token (at temperature > 0:
         sample from the processed distribution); default greedy (argmax)."""
+        b = len(caches)
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        ref = caches[0].k
+        lens = [c.end - c.lo for c in caches]
+        width = max(lens) + k
+        # Keys and values padded to one width: the true ones, then the chain's own.
+        kbuf = ref.new_zeros((b, width, nkv, d))
+        vbuf = ref.new_zeros((b, width, nkv, d))
+        valid = torch.zeros((b, width), dtype=torch.bool, device=ref.device)
+        for i, c in enumerate(caches):
+            kc, vc = c.keys()
+            kbuf[i, : lens[i]], vbuf[i, : lens[i]] = kc, vc
+            valid[i, : lens[i]] = True
+        top = max(lens)
+        x = torch.stack([c.x_last for c in caches])  # [B, H]
+        pos = torch.tensor([c.end - 1 for c in caches], device=ref.device)
         tokens, logits = [], []
-        feature, tok = hidden, token_ids
-        reduced = self._draft_vocab if not (return_logits or choose) else None
         for step in range(k):
-            feature = self(feature, tok)
-            if reduced is not None:  # greedy over the frequent tokens only
-                ids, rows = reduced
-                tok = ids[rows(feature.to(self.target.norm.weight.dtype)).argmax(dim=-1)]
-                tokens.append(tok)
-                continue
-            step_logits = self.compute_logits(feature)
-            tok = choose(step_logits, step) if choose else step_logits.argmax(dim=-1)
+            q, kk, vv = self.qkv_of(x, pos)
+            if step > 0:  # the chain's own key and value at this position
+                kbuf[:, top + step - 1], vbuf[:, top + step - 1] = kk, vv
+                valid[:, top + step - 1] = True
+            n = top + step
+            attn = F.scaled_dot_product_attention(
+                q.unsqueeze(2), kbuf[:, :n].transpose(1, 2), vbuf[:, :n].transpose(1, 2),
+                attn_mask=valid[:, None, None, :n], enable_gqa=True,
+            )  # fmt: skip
+            feature = self.finish(x, attn.squeeze(2))
+            if not (return_logits or choose):
+                tok = self.greedy(feature)
+            else:
+                step_logits = self.compute_logits(feature)
+                tok = choose(step_logits, step) if choose else step_logits.argmax(dim=-1)
+                if return_logits:
+                    logits.append(step_logits)
             tokens.append(tok)
-            if return_logits:
-                logits.append(step_logits)
-        drafted = torch.stack(tokens, dim=1) if tokens else token_ids.new_empty(len(token_ids), 0)
+            if step + 1 < k:
+                x = self.inputs(feature, tok)
+                pos = pos + 1
+        drafted = torch.stack(tokens, dim=1) if tokens else pos.new_empty(b, 0)
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
 
     # ---- disk --------------------------------------------------------------------------------
@@ -285,8 +473,8 @@ class EagleHead(nn.Module):
             raise ValueError(f"{cfg_path}: draft head architecture {cfg.get('architecture')!r} "
                              f"is not supported (this inferd reads {ARCHITECTURE!r})")  # fmt: skip
         try:
-            sizes = [cfg[k] for k in ("hidden_size", "vocab_size", "num_blocks",
-                                      "intermediate_size", "rms_norm_eps")]  # fmt: skip
+            sizes = [cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads",
+                                      "intermediate_size", "rms_norm_eps", "rope_theta")]  # fmt: skip
             head = cls(*sizes, target=cfg.get("target"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{cfg_path}: incomplete draft head config ({e})") from e

@@ -1,9 +1,11 @@
 """Training and offline evaluation of the EAGLE-style draft head on the target's hidden states.
 
-Loss (EAGLE): for unrolled step j = 1..U from position t, the head's feature f_j (step 1 reads the
-target's h_t, step j > 1 reads the head's own f_{j-1}: what chaining does at inference) is pulled
-towards the target's h_{t+j} (smooth-L1) and its logits towards the target's greedy token after
-t + j (cross-entropy), weighted by decay^(j-1).
+Loss (EAGLE, with the chain unrolled as the engine runs it): for chain step j = 1..U drafting from
+position t, the head's feature (step 1 reads the target's h_t, step j > 1 the head's own previous
+prediction, and the attention sees the chain's own earlier keys: `EagleHead.forward_levels`) is
+pulled towards the target's h_{t+j} (smooth-L1) and its logits towards the target's greedy token
+after t + j (cross-entropy), weighted by decay^(j-1). Only chains that start at or after the last
+prompt position count: drafting never starts inside a prompt.
 
 The cross-entropy runs over the tokens that occur in the data (inputs and greedy labels), not the
 whole vocabulary: on the CPU the LM head's [rows, 49152] matmul, forward and backward, would be
@@ -26,12 +28,10 @@ from inferd.spec.eagle_head import EagleHead
 
 @dataclass(slots=True)
 class TrainOptions:
-    epochs: float = 2.0
-    batch_size: int = 256
+    epochs: float = 4.0
+    batch_size: int = 8  # sequences per step
     unroll: int = 3  # chained steps per example (inference chains k = 3..5)
-    lr: float = 2e-3
-    # Regularisation matters more than capacity here: ~50k tokens of data, and a head that learns
-    # them by heart drafts badly on new prompts (measured: ce_weight 0.1 > 0.5 > 2.0).
+    lr: float = 1e-3
     weight_decay: float = 0.1
     ce_weight: float = 0.1  # EAGLE's: the feature regression generalises better than the CE
     step_decay: float = 0.8
@@ -42,76 +42,92 @@ class TrainOptions:
 
 
 @dataclass(slots=True)
-class FlatData:
-    """All sequences concatenated: position i has hidden[i], tokens[i], and greedy[i] = the
-    target's argmax token after position i. `starts` are the positions an example may start at
-    (its next `unroll` positions lie in the same sequence)."""
+class SeqData:
+    """The training sequences: tokens [T], the target's hidden states [T, H], its greedy token
+    after each position [T], and where each prompt ends."""
 
-    hidden: torch.Tensor  # [N, H]
-    tokens: torch.Tensor  # [N]
-    greedy: torch.Tensor  # [N]
-    starts: torch.Tensor  # [M]
+    tokens: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+    greedy: list[torch.Tensor]
+    prompt_lens: list[int]
+
+    @property
+    def num_positions(self) -> int:
+        return sum(len(t) for t in self.tokens)
 
 
 @torch.no_grad()
 def greedy_tokens(hidden: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """argmax of the target's logits at each row of hidden [N, H] -> [N]."""
-    return torch.cat([(h @ lm_weight.T).argmax(-1) for h in hidden.split(chunk)])
+    return torch.cat([(h.float() @ lm_weight.T).argmax(-1) for h in hidden.split(chunk)])
 
 
-def flatten(data: HiddenStates, lm_weight: torch.Tensor, unroll: int) -> FlatData:
-    hidden = torch.cat(data.hidden)
-    tokens = torch.cat(data.tokens)
-    starts, offset = [], 0
-    for t in data.tokens:
-        n = len(t)
-        # position p reads tokens[p + 1 .. p + unroll] and hidden[p + 1 .. p + unroll]
-        if n > unroll:
-            starts.append(torch.arange(offset, offset + n - unroll))
-        offset += n
-    if not starts:
-        raise ValueError(f"no sequence is longer than unroll={unroll} tokens")
-    return FlatData(hidden, tokens, greedy_tokens(hidden, lm_weight), torch.cat(starts))
+def prepare(data: HiddenStates, prompt_lens: list[int], lm_weight: torch.Tensor) -> SeqData:
+    keep = [i for i, t in enumerate(data.tokens) if len(t) >= 2]
+    if not keep:
+        raise ValueError("no sequence has 2 tokens")
+    return SeqData([data.tokens[i] for i in keep], [data.hidden[i].float() for i in keep],
+                   [greedy_tokens(data.hidden[i], lm_weight) for i in keep],
+                   [prompt_lens[i] for i in keep])  # fmt: skip
+
+
+def pad_batch(seqs: list[torch.Tensor], fill: float | int = 0) -> torch.Tensor:
+    """[B, T_max, ...] from tensors [T_i, ...], padded with `fill`."""
+    longest = max(len(s) for s in seqs)
+    out = seqs[0].new_full((len(seqs), longest, *seqs[0].shape[1:]), fill)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
 
 
 def head_loss(
     head: EagleHead,
-    data: FlatData,
-    idx: torch.Tensor,  # [B] example start positions
+    data: SeqData,
+    idx: list[int],  # sequences of the batch
     embed_fn: Callable[[torch.Tensor], torch.Tensor],
     lm_weight: torch.Tensor,  # [V', H] rows of the LM head the cross-entropy runs over
     vocab_map: torch.Tensor | None,  # [V] token -> row of lm_weight (None: full vocabulary)
     opts: TrainOptions,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    feature = data.hidden[idx]
+    hidden = pad_batch([data.hidden[i] for i in idx])
+    tokens = pad_batch([data.tokens[i] for i in idx])
+    greedy = pad_batch([data.greedy[i] for i in idx])
+    lengths = torch.tensor([len(data.tokens[i]) for i in idx])
+    prompt = torch.tensor([data.prompt_lens[i] for i in idx])
     if opts.noise > 0:
-        u = torch.rand(feature.shape, generator=generator) * 2 - 1
-        feature = feature + u * (opts.noise * feature.std())
-    total = feature.new_zeros(())
+        u = torch.rand(hidden.shape, generator=generator) * 2 - 1
+        hidden = hidden + u * (opts.noise * hidden.std())
+    feats = head.forward_levels(hidden, tokens, lengths, opts.unroll, embed_fn)
+    t1 = hidden.shape[1] - 1
+    pos = torch.arange(t1)
+    labels = greedy[:, 1:]
+    target = pad_batch([data.hidden[i] for i in idx])[:, 1:]  # noise-free targets
+    if vocab_map is not None:
+        labels = vocab_map[labels]
+    total = hidden.new_zeros(())
     stats: dict[str, float] = {}
     weight_sum = 0.0
-    for j in range(1, opts.unroll + 1):
-        feature = head(feature, data.tokens[idx + j], embed_fn)
-        target = data.hidden[idx + j]
-        labels = data.greedy[idx + j]
-        if vocab_map is not None:
-            labels = vocab_map[labels]
-        logits = feature @ lm_weight.T
-        reg = F.smooth_l1_loss(feature, target)
-        ce = F.cross_entropy(logits, labels)
-        w = opts.step_decay ** (j - 1)
+    for level, feature in enumerate(feats):
+        # Row p of this level: a chain from t = p - level, predicting h_{p+1} and the token after.
+        start = pos[None, :] - level
+        ok = (start >= 0) & (start >= prompt[:, None] - 1) & (pos[None, :] + 1 < lengths[:, None])
+        f, tgt, lab = feature[ok], target[ok], labels[ok]
+        logits = f @ lm_weight.T
+        reg = F.smooth_l1_loss(f, tgt)
+        ce = F.cross_entropy(logits, lab)
+        w = opts.step_decay**level
         total = total + w * (reg + opts.ce_weight * ce)
         weight_sum += w
-        stats[f"acc{j}"] = (logits.argmax(-1) == labels).float().mean().item()
-        stats[f"ce{j}"] = ce.item()
-        stats[f"reg{j}"] = reg.item()
+        stats[f"acc{level + 1}"] = (logits.argmax(-1) == lab).float().mean().item()
+        stats[f"ce{level + 1}"] = ce.item()
+        stats[f"reg{level + 1}"] = reg.item()
     return total / weight_sum, stats
 
 
 def train_head(
     head: EagleHead,
-    data: FlatData,
+    data: SeqData,
     embed_fn: Callable[[torch.Tensor], torch.Tensor],
     lm_weight: torch.Tensor,  # [V, H] the target's full LM head weight (fp32)
     opts: TrainOptions,
@@ -121,7 +137,7 @@ def train_head(
     g = torch.Generator().manual_seed(opts.seed)
     vocab_map = None
     if not opts.full_vocab_ce:
-        used = torch.unique(torch.cat([data.tokens, data.greedy]))
+        used = torch.unique(torch.cat(data.tokens + data.greedy))
         vocab_map = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
         vocab_map[used] = torch.arange(len(used))
         lm_weight = lm_weight[used]
@@ -129,15 +145,16 @@ def train_head(
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-    per_epoch = math.ceil(len(data.starts) / opts.batch_size)
+    n = len(data.tokens)
+    per_epoch = math.ceil(n / opts.batch_size)
     total_steps = max(1, round(per_epoch * opts.epochs))
     warmup = max(1, total_steps // 20)
     losses: list[float] = []
     t0 = time.perf_counter()
-    order = torch.empty(0, dtype=torch.long)
+    order: list[int] = []
     for step in range(total_steps):
-        if len(order) < opts.batch_size:  # a new pass over the examples in a fresh order
-            order = torch.cat([order, data.starts[torch.randperm(len(data.starts), generator=g)]])
+        if len(order) < opts.batch_size:  # a new pass over the sequences in a fresh order
+            order += torch.randperm(n, generator=g).tolist()
         idx, order = order[: opts.batch_size], order[opts.batch_size :]
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         for group in optim.param_groups:
@@ -181,18 +198,35 @@ def verification_steps(accepted: list[int], start: int, length: int, k: int) -> 
 
 
 @torch.no_grad()
+def chain_drafts(head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """drafts[t, j] [T - 1, k]: the j + 1-th token a chain drafting from position t proposes, as
+    long as the chain's earlier drafts were right (after a wrong one, the row is meaningless; the
+    acceptance never reads it). The head's bound target embeds and scores, as in the engine."""
+    device = head.target.norm.weight.device
+    feats = head.forward_levels(hidden[None].to(device), tokens[None].to(device),
+                                torch.tensor([len(tokens)], device=device), k)  # fmt: skip
+    t1 = len(tokens) - 1
+    out = torch.full((t1, k), -1, dtype=torch.long)
+    for level, f in enumerate(feats):
+        # level l at position p drafts the (l + 1)-th token of the chain from t = p - l.
+        picked = head.greedy(f[0]).cpu()
+        out[: t1 - level, level] = picked[level:]
+    return out
+
+
+@torch.no_grad()
 def measure_acceptance(
     head: EagleHead,
     data: HiddenStates,
     starts: list[int],
     ks: tuple[int, ...] = (3, 5),
-    max_rows: int = 512,
 ) -> dict[str, float]:
     """Mean acceptance length (accepted drafts + 1 bonus token per verification step) at
     temperature 0 along each sequence, which must be the target's greedy continuation from
     `starts[i]` (the last prompt position) on. Also the per-position mean (every start drafted).
 
-    Drafting uses the head's bound target (its embedding and LM head): what the engine runs."""
+    Drafting uses the head's bound target (its embedding and LM head, the draft vocabulary when
+    set): what the engine runs."""
     kmax = max(ks)
     result: dict[str, float] = {}
     emitted: dict[int, list[int]] = {k: [] for k in ks}
@@ -201,17 +235,12 @@ def measure_acceptance(
         n = len(tokens)
         if n - start - 2 <= 0:
             continue
+        drafts = chain_drafts(head, tokens, hidden.float(), kmax)
         pos = torch.arange(start, n - 1)  # positions with a known next token
         # reference[p, j] = the token drafted j + 1 steps from p should equal; -1 past the end.
         ref_idx = pos[:, None] + 2 + torch.arange(kmax)[None, :]
         padded = torch.cat([tokens, tokens.new_full((kmax + 2,), -1)])
-        reference = padded[ref_idx]
-        ref_device = head.target.norm.weight.device
-        drafts = torch.cat([
-            head.draft(hidden[p].to(ref_device), tokens[p + 1].to(ref_device), kmax)[0].cpu()
-            for p in pos.split(max_rows)
-        ])  # fmt: skip
-        acc = leading_matches(drafts, reference)
+        acc = leading_matches(drafts[pos], padded[ref_idx])
         per_pos.append(acc)
         full = [0] * start + acc.tolist()
         for k in ks:

@@ -19,8 +19,10 @@ class Proposer(ABC):
       (fewer or none is fine: a sequence with no drafts decodes one token as usual). `probs` are
       the distributions the drafts were *sampled* from ([n, vocab]); None when they were chosen
       deterministically (argmax, lookup) — the sampler's acceptance rule depends on it.
-    - `observe` receives, after every step, the final hidden state of each sampling sequence at
-      the position of its last accepted token (only if `needs_hidden`).
+    - `observe` receives, after every step and only if `needs_hidden`, the target's final hidden
+      states of the positions the step computed for each running sequence: its first position
+      and the rows [n, hidden] (prompt chunks, plain decodes, a verification's last real token
+      and accepted drafts). The token after every one of them is in `seq.token_ids` by then.
     - `release` forgets a sequence that finished or was aborted; its resources go back.
     """
 
@@ -30,8 +32,11 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None: ...
 
-    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """hidden: [len(seqs), hidden_size]."""
+    def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
+        """hidden[i]: [n_i, hidden_size], positions starts[i] .. starts[i] + n_i - 1 of seqs[i]."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (n > 1) starts as a copy of `parent`, whose prompt it shares."""
 
     def release(self, seq: Sequence) -> None:
         """Called once when `seq` leaves the engine."""

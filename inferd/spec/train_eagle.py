@@ -4,25 +4,29 @@ acceptance length on held-out chat prompts.
     python -m inferd.spec.train_eagle [--model M] [--out DIR] [--num-prompts N] [--max-tokens M]
                                       [--epochs E] ...
 
-1. the target (`inferd.LLM`, `--quantization auto` by default) answers N chat instructions
-   (temperature 0, a fraction at `--sample-temperature`) and the held-out eval instructions
-   (temperature 0: the greedy continuation the acceptance is measured along);
-2. the target, dequantized to fp32, is run over every prompt + response: its hidden state at each
-   position (the same values its quantized form computes, up to rounding);
-3. the head trains on those (eagle_train_core), is saved to DIR (default
-   $INFERD_CACHE_DIR/eagle/<model name>) with the draft vocabulary ranked from the responses
-   (inferd.spec.draft_vocab), and its acceptance length at k = 3 and 5 is printed.
+1. the target (`inferd.LLM`, `--quantization auto` by default: the engine that will serve with the
+   head) answers N chat instructions (temperature 0, a fraction at `--sample-temperature`) and the
+   held-out eval instructions (temperature 0: the greedy continuation the acceptance is measured
+   along), many at once;
+2. the same model is run over every prompt + response: its hidden state at each position, the
+   values the engine hands the head. Steps 1-2 are cached on disk (`$INFERD_CACHE_DIR/eagle-data`,
+   keyed by everything that shapes them), so trying other training options skips them;
+3. the head trains on those (eagle_train_core; the target's embedding and LM head dequantized to
+   fp32), is saved to DIR (default $INFERD_CACHE_DIR/eagle/<model name>) with the draft vocabulary
+   ranked from the responses (inferd.spec.draft_vocab), and its acceptance length at k = 3 and 5 is
+   measured on the engine's own target, drafting as the engine does.
 The last line printed is one JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,9 +35,15 @@ from inferd.loader import load_model
 from inferd.loader.default_model import cache_dir
 from inferd.models import build_model
 from inferd.spec import draft_vocab
-from inferd.spec.eagle_data import generate_sequences, instructions, target_hidden_states
+from inferd.spec.eagle_data import (
+    EVAL_QUESTIONS,
+    HiddenStates,
+    generate_sequences,
+    instructions,
+    target_hidden_states,
+)
 from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
-from inferd.spec.eagle_train_core import TrainOptions, flatten, measure_acceptance, train_head
+from inferd.spec.eagle_train_core import TrainOptions, measure_acceptance, prepare, train_head
 
 
 @dataclass(slots=True)
@@ -41,15 +51,15 @@ class EagleRecipe:
     model: str | None = None  # GGUF / HF dir; None: the default model
     out: str | None = None
     quantization: str = "auto"  # of the target generating the data (and serving later)
-    num_prompts: int = 384
-    eval_prompts: int = 32
-    max_tokens: int = 128
+    num_prompts: int = 2048
+    eval_prompts: int = 40
+    max_tokens: int = 192
     sample_fraction: float = 0.25  # of training prompts answered at sample_temperature
     sample_temperature: float = 0.7
-    num_blocks: int = 1
-    intermediate_size: int | None = 768
+    intermediate_size: int | None = 1536
     kv_cache_memory: int = 2 << 30  # touched only as used
     draft_vocab_size: int = draft_vocab.DEFAULT_SIZE  # tokens greedy drafting scores; 0: all
+    data_cache: bool = True  # keep the generated data (step 1-2) on disk for the next run
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -63,78 +73,124 @@ def _log(msg: str) -> None:
     print(f"train_eagle: {msg}", file=sys.stderr, flush=True)
 
 
-def train_eagle(recipe: EagleRecipe) -> dict:
-    """Run the whole recipe; returns the report (also written as DIR/train_report.json)."""
+@dataclass(slots=True)
+class Distilled:
+    """Step 1-2's output: token ids, prompt lengths and hidden states (fp16 on disk), per split."""
+
+    train: HiddenStates
+    train_prompt_lens: list[int]
+    eval: HiddenStates
+    eval_prompt_lens: list[int]
+
+
+def _data_key(recipe: EagleRecipe, source: str) -> str:
+    """Everything that shapes the generated data (not the training options but the seed)."""
+    fields = [source, recipe.quantization, recipe.num_prompts, recipe.eval_prompts, recipe.max_tokens,
+              recipe.sample_fraction, recipe.sample_temperature, recipe.train.seed, "v2"]  # fmt: skip
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+def distill(recipe: EagleRecipe, loaded, times: dict[str, float]) -> tuple[Distilled, torch.nn.Module]:
+    """Generate the responses and the hidden states (or read them from the data cache); returns
+    them and the engine's model (the target the head will serve with)."""
     from inferd import LLM
-    from inferd.loader import DEFAULT_MODEL_NAME
 
-    times: dict[str, float] = {}
-    cpu0 = time.process_time()
-    t_all = t0 = time.perf_counter()
-    loaded = load_model(recipe.model, quantization=recipe.quantization, verbose=False)
-    name = DEFAULT_MODEL_NAME if recipe.model is None else Path(loaded.source).stem
-    out = Path(recipe.out) if recipe.out else default_out_dir(name)
-
+    llm = LLM(loaded=loaded, quantization=recipe.quantization, max_num_seqs=128,
+              kv_cache_memory=recipe.kv_cache_memory, seed=recipe.train.seed,
+              verbose=False)  # fmt: skip
+    model = llm.engine.runner.model
+    path = cache_dir() / "eagle-data" / f"{_data_key(recipe, loaded.source)}.pt"
+    if recipe.data_cache and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        _log(f"data from {path}")
+        data = Distilled(HiddenStates(saved["train_tokens"], saved["train_hidden"]), saved["train_prompt_lens"],
+                         HiddenStates(saved["eval_tokens"], saved["eval_hidden"]), saved["eval_prompt_lens"])  # fmt: skip
+        return data, model
+    t0 = time.perf_counter()
     train_prompts = instructions("train", recipe.num_prompts, recipe.train.seed)
     eval_prompts = instructions("eval", recipe.eval_prompts, recipe.train.seed)
     n_sampled = round(recipe.num_prompts * recipe.sample_fraction)
     temps = [recipe.sample_temperature] * n_sampled + [0.0] * (recipe.num_prompts - n_sampled)
-    llm = LLM(loaded=loaded, quantization=recipe.quantization, max_num_seqs=128,
-              kv_cache_memory=recipe.kv_cache_memory, seed=recipe.train.seed,
-              verbose=False)  # fmt: skip
     _log(f"generating {len(train_prompts)} + {len(eval_prompts)} responses "
          f"(<= {recipe.max_tokens} tokens)")  # fmt: skip
     train_seqs, train_lens = generate_sequences(llm, train_prompts, recipe.max_tokens, temps,
-                                       recipe.train.seed, progress=recipe.progress)  # fmt: skip
+                                                recipe.train.seed, progress=recipe.progress)  # fmt: skip
     eval_seqs, eval_lens = generate_sequences(llm, eval_prompts, recipe.max_tokens,
                                               [0.0] * len(eval_prompts))  # fmt: skip
-    eval_starts = [n - 1 for n in eval_lens]  # drafting starts at the last prompt position
-    del llm
     times["generate_s"] = time.perf_counter() - t0
-    n_tokens = sum(map(len, train_seqs))
-    n_response = n_tokens - sum(train_lens)
-    _log(f"generated {n_response} response tokens in {times['generate_s']:.0f} s")
-
+    _log(f"generated {sum(map(len, train_seqs)) - sum(train_lens)} response tokens in {times['generate_s']:.0f} s")
     t0 = time.perf_counter()
-    longest = max(map(len, train_seqs + eval_seqs))
-    # fp32 (the file's blocks dequantized): the same weights, and autograd can run through it.
-    target = build_model(loaded.config, loaded.weights, max_positions=longest + 1,
-                         dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
-    train_states = target_hidden_states(target, train_seqs)
-    eval_states = target_hidden_states(target, eval_seqs)
-    lm_weight = target.lm_head.weight.detach()  # fp32 [V, H]
-    data = flatten(train_states, lm_weight, recipe.train.unroll)
+    train_states = target_hidden_states(model, train_seqs)
+    eval_states = target_hidden_states(model, eval_seqs)
     times["hidden_states_s"] = time.perf_counter() - t0
-    _log(f"hidden states of {len(data.tokens)} positions in {times['hidden_states_s']:.0f} s")
+    _log(f"hidden states of {sum(map(len, train_seqs + eval_seqs))} positions in {times['hidden_states_s']:.0f} s")
+    # fp16 keeps the data cache small (the values are normed, |h| of order 1-10).
+    data = Distilled(HiddenStates(train_states.tokens, [h.half() for h in train_states.hidden]), train_lens,
+                     HiddenStates(eval_states.tokens, [h.half() for h in eval_states.hidden]), eval_lens)  # fmt: skip
+    if recipe.data_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"train_tokens": data.train.tokens, "train_hidden": data.train.hidden,
+                    "train_prompt_lens": train_lens, "eval_tokens": data.eval.tokens,
+                    "eval_hidden": data.eval.hidden, "eval_prompt_lens": eval_lens}, path)  # fmt: skip
+    return data, model
+
+
+def train_eagle(recipe: EagleRecipe) -> dict:
+    """Run the whole recipe; returns the report (also written as DIR/train_report.json)."""
+    from inferd.loader import DEFAULT_MODEL_NAME
+
+    times: dict[str, float] = {}
+    cpu0 = time.process_time()
+    t_all = time.perf_counter()
+    loaded = load_model(recipe.model, quantization=recipe.quantization, verbose=False)
+    name = DEFAULT_MODEL_NAME if recipe.model is None else Path(loaded.source).stem
+    out = Path(recipe.out) if recipe.out else default_out_dir(name)
+    data, served = distill(recipe, loaded, times)
 
     t0 = time.perf_counter()
-    head = EagleHead.for_target(target, num_blocks=recipe.num_blocks,
-                                intermediate_size=recipe.intermediate_size)  # fmt: skip
-    losses = train_head(head, data, target.embed_tokens, lm_weight, recipe.train, _log)
+    # fp32 (the file's blocks dequantized): the embedding and LM head the training reads.
+    longest = max(map(len, data.train.tokens + data.eval.tokens))
+    fp32 = build_model(loaded.config, loaded.weights, max_positions=longest + 1,
+                       dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    lm_weight = fp32.lm_head.weight.detach()  # fp32 [V, H]
+    seqs = prepare(data.train, data.train_prompt_lens, lm_weight)
+    head = EagleHead.for_target(fp32, intermediate_size=recipe.intermediate_size)
+    _log(f"training a {head.num_parameters() / 1e6:.2f} M-parameter head on {len(seqs.tokens)} "
+         f"sequences ({seqs.num_positions} positions)")  # fmt: skip
+    losses = train_head(head, seqs, fp32.embed_tokens, lm_weight, recipe.train, _log)
     times["train_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     head.requires_grad_(False)
-    acceptance = measure_acceptance(head, eval_states, eval_starts)
-    times["eval_s"] = time.perf_counter() - t0
     head.save(out)
     if 0 < recipe.draft_vocab_size < head.vocab_size:  # else: the whole vocabulary
-        responses = [s[n:] for s, n in zip(train_seqs, train_lens)]
+        responses = [s[n:].tolist() for s, n in zip(data.train.tokens, data.train_prompt_lens)]
         draft_vocab.save(out, draft_vocab.rank_tokens(responses, head.vocab_size, recipe.draft_vocab_size))
+    # Measured as the engine drafts: the saved head on the served model, its draft vocabulary.
+    engine_head = EagleHead.load(out, served)
+    eval_starts = [n - 1 for n in data.eval_prompt_lens]  # drafting starts at the last prompt position
+    acceptance = measure_acceptance(engine_head, data.eval, eval_starts)
+    n_free = min(recipe.eval_prompts, len(EVAL_QUESTIONS))  # the eval split starts with them
+    if n_free:  # the free-form questions alone (unlike the training templates)
+        free = HiddenStates(data.eval.tokens[:n_free], data.eval.hidden[:n_free])
+        acceptance["free_form"] = measure_acceptance(engine_head, free, eval_starts[:n_free])
+    times["eval_s"] = time.perf_counter() - t0
     size = sum((out / f).stat().st_size for f in (WEIGHTS_FILE, CONFIG_FILE))
     times["total_s"] = time.perf_counter() - t_all
     # CPU seconds of this process (all threads): on a shared machine, wall time mostly measures
     # the neighbours' load.
     times["cpu_s"] = time.process_time() - cpu0
+    n_tokens = sum(map(len, data.train.tokens))
     report = {
         "model": loaded.source,
         "out": str(out),
         "head_parameters": head.num_parameters(),
         "size_bytes": size,
         "train_positions": n_tokens,  # prompt + response tokens
-        "train_response_tokens": n_response,
-        "train_examples": len(data.starts),
-        "eval_prompts": len(eval_prompts),
+        "train_response_tokens": n_tokens - sum(data.train_prompt_lens),
+        "train_sequences": len(seqs.tokens),
+        "eval_prompts": len(data.eval.tokens),
+        "options": asdict(recipe.train),
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "acceptance": acceptance,
@@ -157,7 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=r.max_tokens)
     p.add_argument("--sample-fraction", type=float, default=r.sample_fraction)
     p.add_argument("--sample-temperature", type=float, default=r.sample_temperature)
-    p.add_argument("--num-blocks", type=int, default=r.num_blocks)
     p.add_argument("--intermediate-size", type=int, default=r.intermediate_size)
     p.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
                    help="frequent tokens greedy drafting scores (FR-Spec); 0: the whole vocabulary")
@@ -169,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", type=float, default=t.noise)
     p.add_argument("--full-vocab-ce", action="store_true")
     p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--no-data-cache", action="store_true",
+                   help="generate the data afresh and do not keep it")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     if a.threads:
@@ -180,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                          num_prompts=a.num_prompts, eval_prompts=a.eval_prompts,
                          max_tokens=a.max_tokens, sample_fraction=a.sample_fraction,
                          sample_temperature=a.sample_temperature,
-                         num_blocks=a.num_blocks, intermediate_size=a.intermediate_size,
-                         draft_vocab_size=a.draft_vocab_size,
+                         intermediate_size=a.intermediate_size,
+                         draft_vocab_size=a.draft_vocab_size, data_cache=not a.no_data_cache,
                          progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     acc = report["acceptance"]
@@ -190,8 +247,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{report['head_parameters'] / 1e6:.2f} M parameters) in {secs['total_s']:.0f} s "
           f"({secs['cpu_s']:.0f} CPU s)")  # fmt: skip
     for k in (3, 5):
+        free = acc.get("free_form", {}).get(f"k{k}_acceptance_length")
         print(f"k={k}: mean acceptance length {acc[f'k{k}_acceptance_length']:.2f} tokens/step "
-              f"(per position {acc[f'k{k}_per_position']:.2f})")  # fmt: skip
+              f"(per position {acc[f'k{k}_per_position']:.2f}"
+              + (f"; free-form questions alone {free:.2f})" if free else ")"))  # fmt: skip
     print(json.dumps(report))
 
 
