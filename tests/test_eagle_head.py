@@ -97,6 +97,27 @@ def test_batched_drafts_equal_one_cache_at_a_time(target) -> None:
         torch.testing.assert_close(logits[i], alone_logits[0], rtol=1e-4, atol=1e-4)
 
 
+def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path) -> None:
+    """`load` swaps in the engine's kernels (fp32: the same drafts; int8 linears: features within
+    int8 rounding) and drops nothing: every weight still takes part."""
+    from inferd.layers.quantized_linear import QuantizedLinear
+
+    head = _trained_like(target, seed=4, intermediate_size=64)
+    path = head.save(tmp_path / "head")
+    plain = EagleHead.load(path, target)
+    int8 = EagleHead.load(path, target, quantize=True)
+    assert isinstance(int8.gate_up, QuantizedLinear) and not isinstance(plain.gate_up, QuantizedLinear)
+    seqs = _sequences(3, 20, target.config.vocab_size, seed=5)
+    states = target_hidden_states(target, seqs)
+    for h, toks in zip(states.hidden, states.tokens):
+        want = head.draft([_cache_upto(head, h, toks, 15)], 3, return_logits=True)
+        got = plain.draft([_cache_upto(plain, h, toks, 15)], 3, return_logits=True)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        q = int8.draft([_cache_upto(int8, h, toks, 15)], 1, return_logits=True)[1]
+        assert torch.nn.functional.cosine_similarity(q[0, 0], want[1][0, 0], dim=0) > 0.99
+
+
 def test_draft_cache_grows_overwrites_and_restarts_after_a_gap() -> None:
     kv = lambda n, base: (torch.zeros(n, 4), torch.full((n, 1, 2), float(base)), torch.full((n, 1, 2), -float(base)))  # noqa: E731
     c = DraftCache(torch.zeros(1), 1, 2)

@@ -33,9 +33,12 @@ class EagleProposer(Proposer):
     def __init__(self, engine: EngineCore, spec: SpeculativeConfig) -> None:
         from inferd.spec.eagle_head import EagleHead
 
-        self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype)
+        # int8 linears on the CPU (the engine's packed tiles): a draft step streams every weight
+        # of the head, k times per target step; drafts are only proposals, verification decides.
+        self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
         self.caches: dict[int, DraftCache] = {}
 
+    @torch.inference_mode()  # as propose: the caches' buffers are inference tensors
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
         head = self.head
         rows = torch.cat(hidden)

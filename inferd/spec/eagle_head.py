@@ -116,16 +116,22 @@ class DraftCache:
             self.lo = self.end = start
         n = len(k)
         need = start + n - self.lo
+        self.end = min(self.end, start)  # rows from `start` on are replaced
+        self.reserve(need - (self.end - self.lo))
+        self.k[start - self.lo : need] = k
+        self.v[start - self.lo : need] = v
+        self.end = start + n
+        self.x_last = x[-1]
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` rows after `end` (a draft chain writes its own keys there)."""
+        need = self.end - self.lo + extra
         if need > len(self.k):
             cap = max(need, 2 * len(self.k))
             grown_k, grown_v = self.k.new_empty((cap, *self.k.shape[1:])), self.v.new_empty((cap, *self.v.shape[1:]))
             used = self.end - self.lo
             grown_k[:used], grown_v[:used] = self.k[:used], self.v[:used]
             self.k, self.v = grown_k, grown_v
-        self.k[start - self.lo : need] = k
-        self.v[start - self.lo : need] = v
-        self.end = start + n
-        self.x_last = x[-1]
 
     def copy(self) -> DraftCache:
         other = DraftCache.__new__(DraftCache)
@@ -256,6 +262,33 @@ class EagleHead(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def for_inference(self, quantize: bool) -> EagleHead:
+        """Swap the layers for the engine's inference ones, in place (no training after this):
+        RMSNorms and linears with the C++ kernels the target's decode step runs, the linears
+        int8 (per output channel, the engine's packed tiles) when `quantize`. A draft step reads
+        every weight of the head once; in fp32 (16 MiB at the default size) that streaming was
+        most of its time, and the chain runs it k times per target step."""
+        from inferd.layers.linear import Linear
+        from inferd.layers.norm import RMSNorm
+        from inferd.layers.quantized_linear import QuantizedLinear
+        from inferd.quantization.formats import pack_tiles, quantize_int8
+
+        for name, module in list(self.named_children()):
+            if isinstance(module, nn.RMSNorm):
+                norm = RMSNorm(self.hidden_size, self.rms_norm_eps).to(module.weight.device)
+                norm.weight.data = module.weight.data.float()
+                setattr(self, name, norm)
+            elif isinstance(module, nn.Linear):
+                w = module.weight.data
+                if quantize and w.is_cpu:
+                    q = quantize_int8(w)
+                    setattr(self, name, QuantizedLinear(pack_tiles(q) or q))
+                else:
+                    lin = Linear(w.shape[1], w.shape[0]).to(w.device)
+                    lin.weight.data = w
+                    setattr(self, name, lin)
+        return self
+
     # ---- the layer's pieces (any leading shape) ----------------------------------------------
     def inputs(
         self,
@@ -265,15 +298,21 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """The layer's input x_t [..., H] in the head's dtype."""
         embed = embed_fn or self.target.embed_tokens
-        dtype = self.fc.weight.dtype
+        dtype = self.out_norm.weight.dtype
         e = embed(token_ids).to(dtype)
         return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self.__dict__["_inv_freq"] = self._inv_freq.to(positions.device)
-        freqs = positions.to(torch.float64).unsqueeze(-1) * self._inv_freq  # [..., D/2]
-        return freqs.cos().to(dtype).unsqueeze(-2), freqs.sin().to(dtype).unsqueeze(-2)
+        """cos, sin [..., 1, D/2] at `positions`, from a table computed in fp64 and grown (to the
+        next power of two) as positions get larger: one lookup per step at inference."""
+        table = self.__dict__.get("_rope_table")
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if table is None or len(table[0]) < top or table[0].dtype != dtype or table[0].device != positions.device:
+            size = 1 << max(top - 1, 255).bit_length()
+            freqs = torch.arange(size, dtype=torch.float64).unsqueeze(-1) * self._inv_freq
+            table = (freqs.cos().to(dtype).to(positions.device), freqs.sin().to(dtype).to(positions.device))
+            self.__dict__["_rope_table"] = table
+        return table[0][positions].unsqueeze(-2), table[1][positions].unsqueeze(-2)
 
     def qkv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated queries [..., NH, D], keys [..., KVH, D] and values [..., KVH, D] of x at
@@ -398,32 +437,24 @@ class EagleHead(nn.Module):
         sample from the processed distribution); default greedy (argmax)."""
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        ref = caches[0].k
-        lens = [c.end - c.lo for c in caches]
-        width = max(lens) + k
-        # Keys and values padded to one width: the true ones, then the chain's own.
-        kbuf = ref.new_zeros((b, width, nkv, d))
-        vbuf = ref.new_zeros((b, width, nkv, d))
-        valid = torch.zeros((b, width), dtype=torch.bool, device=ref.device)
-        for i, c in enumerate(caches):
-            kc, vc = c.keys()
-            kbuf[i, : lens[i]], vbuf[i, : lens[i]] = kc, vc
-            valid[i, : lens[i]] = True
-        top = max(lens)
+        group, scale = nh // nkv, d**-0.5
+        for c in caches:  # each chain writes its own keys after the cache's true ones
+            c.reserve(k)
         x = torch.stack([c.x_last for c in caches])  # [B, H]
-        pos = torch.tensor([c.end - 1 for c in caches], device=ref.device)
+        pos = torch.tensor([c.end - 1 for c in caches], device=x.device)
         tokens, logits = [], []
         for step in range(k):
             q, kk, vv = self.qkv_of(x, pos)
-            if step > 0:  # the chain's own key and value at this position
-                kbuf[:, top + step - 1], vbuf[:, top + step - 1] = kk, vv
-                valid[:, top + step - 1] = True
-            n = top + step
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kbuf[:, :n].transpose(1, 2), vbuf[:, :n].transpose(1, 2),
-                attn_mask=valid[:, None, None, :n], enable_gqa=True,
-            )  # fmt: skip
-            feature = self.finish(x, attn.squeeze(2))
+            outs = []
+            for i, c in enumerate(caches):  # one query per sequence over its own keys
+                n = c.end - c.lo + step
+                if step > 0:
+                    c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
+                keys, values = c.k[:n].transpose(0, 1), c.v[:n].transpose(0, 1)  # [KVH, n, D]
+                s = torch.matmul(q[i].view(nkv, group, d), keys.transpose(1, 2)).mul_(scale)
+                outs.append(torch.matmul(torch.softmax(s, dim=-1), values))  # [KVH, G, D]
+            attn = torch.stack(outs).view(b, nh, d)
+            feature = self.finish(x, attn)
             if not (return_logits or choose):
                 tok = self.greedy(feature)
             else:
@@ -455,9 +486,11 @@ class EagleHead(nn.Module):
         target_model: nn.Module,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantize: bool = False,
     ) -> EagleHead:
-        """A ready head bound to `target_model`, on `device` in `dtype` (default: the target's).
-        ValueError when `path` holds no head, a damaged one, or one trained for another model."""
+        """A ready head bound to `target_model`, on `device` in `dtype` (default: the target's);
+        with `quantize`, its linears int8 (`for_inference`; fp32 CPU only). ValueError when
+        `path` holds no head, a damaged one, or one trained for another model."""
         root = Path(path).expanduser()
         cfg_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
         if not cfg_path.is_file() or not weights_path.is_file():
@@ -494,4 +527,6 @@ class EagleHead(nn.Module):
             .requires_grad_(False)
         )
         head.bind(target_model)
+        if head.fc.weight.dtype == torch.float32 and head.fc.weight.is_cpu:
+            head.for_inference(quantize)
         return head.set_draft_vocab(draft_vocab.load(root, head.vocab_size))

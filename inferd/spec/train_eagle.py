@@ -167,7 +167,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         responses = [s[n:].tolist() for s, n in zip(data.train.tokens, data.train_prompt_lens)]
         draft_vocab.save(out, draft_vocab.rank_tokens(responses, head.vocab_size, recipe.draft_vocab_size))
     # Measured as the engine drafts: the saved head on the served model, its draft vocabulary.
-    engine_head = EagleHead.load(out, served)
+    engine_head = EagleHead.load(out, served, quantize=True)
     eval_starts = [n - 1 for n in data.eval_prompt_lens]  # drafting starts at the last prompt position
     acceptance = measure_acceptance(engine_head, data.eval, eval_starts)
     n_free = min(recipe.eval_prompts, len(EVAL_QUESTIONS))  # the eval split starts with them
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--ce-weight", type=float, default=t.ce_weight)
     p.add_argument("--noise", type=float, default=t.noise)
+    p.add_argument("--ce-rows", type=float, default=t.ce_rows, help="share of rows the cross-entropy reads")
     p.add_argument("--full-vocab-ce", action="store_true")
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument("--no-data-cache", action="store_true",
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     opts = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, unroll=a.unroll, lr=a.lr,
-                        ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce,
+                        ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce, ce_rows=a.ce_rows,
                         seed=a.seed)  # fmt: skip
     recipe = EagleRecipe(model=a.model, out=a.out, quantization=a.quantization,
                          num_prompts=a.num_prompts, eval_prompts=a.eval_prompts,
