@@ -322,7 +322,7 @@ def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     from inferd.spec.train_eagle import EagleRecipe, train_eagle
 
     opts = TrainOptions(epochs=2, batch_size=4, unroll=2, log_every=0)
-    recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), num_prompts=6,
+    recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), num_prompts=6, num_questions=8,
                          eval_prompts=10, max_tokens=12, intermediate_size=64,
                          kv_cache_memory=8 << 20, draft_vocab_size=100, data_cache=False,
                          train=opts)  # fmt: skip

@@ -111,6 +111,78 @@ def instructions(split: str, n: int, seed: int = 0) -> list[str]:
     return pool[:n]
 
 
+# Self-instruct: the target itself writes free-form questions (how-to, why, advice...), so that
+# the head also trains on instructions unlike the templates above. Subjects are everyday ones plus
+# the training topics; nothing from the eval split or `inferd bench spec`'s prompts is kept.
+QUESTION_SEEDS = (
+    "Write one question that a curious person might ask about {t}. Reply with the question only.",
+    "Write one practical how-to question about {t}. Reply with the question only.",
+    "Write one question that starts with 'Why' about {t}. Reply with the question only.",
+    "Write one question asking for advice or ideas about {t}. Reply with the question only.",
+    "Write one question a student might ask a teacher about {t}. Reply with the question only.",
+    "Write one simple question about {t} that has a short answer. Reply with the question only.",
+)
+EVERYDAY = (
+    "cooking", "travel", "pets", "health", "school", "work", "hobbies", "home repair", "family",
+    "shopping", "sports", "money", "weather", "nature", "technology", "cars", "clothes",
+    "holidays", "books", "music", "art", "science", "history", "games", "gardens", "cleaning",
+    "fitness", "food", "friends", "learning", "writing", "computers", "phones", "the city",
+    "the countryside", "animals", "plants", "the body", "emotions", "jobs", "parties",
+    "the kitchen", "the beach", "winter", "summer", "breakfast", "sleep habits", "languages",
+)  # fmt: skip
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".,!?;:'\"()").lower() for w in text.split()} - {""}
+
+
+def question_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` prompts asking the target to write a question (seeds x everyday and training topics)."""
+    pool = [s.format(t=t) for t in EVERYDAY + TOPICS for s in QUESTION_SEEDS]
+    rng = random.Random(seed)
+    rng.shuffle(pool)
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def clean_questions(texts: list[str], held_out: list[str]) -> list[str]:
+    """The usable questions among the target's replies: the first line, unquoted, one question
+    of 4-40 words; no duplicates, none sharing most of its words with a held-out prompt."""
+    held = [_words(h) for h in held_out]
+    seen: set[str] = set()
+    out = []
+    for text in texts:
+        line = text.strip().split("\n")[0].strip()
+        # "A curious person might ask: \"Why ...?\"" -> the quoted question
+        for mark in (': "', ', "', ": ", "Question:", "Q:"):
+            if mark in line:
+                line = line.rsplit(mark, 1)[1]
+        line = line.strip().strip('"').strip()
+        words = _words(line)
+        if (not line.endswith("?") or not 4 <= len(line.split()) <= 40 or line.count("?") > 1
+                or "question" in words or "questions" in words):  # fmt: skip
+            continue
+        key = " ".join(sorted(words))
+        if key in seen or any(len(words & h) >= 0.6 * min(len(words), len(h)) for h in held):
+            continue
+        seen.add(key)
+        out.append(line)
+    return out
+
+
+def self_instruct(llm, n: int, held_out: list[str], seed: int = 0) -> list[str]:
+    """Up to `n` distinct questions written by the target (`llm`: inferd.LLM), sampled at
+    temperature 0.9 from `question_prompts`; see `clean_questions`."""
+    from inferd.sampling.params import SamplingParams
+
+    prompts = question_prompts(2 * n, seed)  # about half the replies are usable questions
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                      add_special_tokens=False) for p in prompts]  # fmt: skip
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=48, seed=seed + i) for i in range(len(ids))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    return clean_questions([o.outputs[0].text for o in outs], held_out)[:n]
+
+
 def generate_sequences(
     llm,
     prompts: list[str],

@@ -40,6 +40,7 @@ from inferd.spec.eagle_data import (
     HiddenStates,
     generate_sequences,
     instructions,
+    self_instruct,
     target_hidden_states,
 )
 from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
@@ -51,7 +52,8 @@ class EagleRecipe:
     model: str | None = None  # GGUF / HF dir; None: the default model
     out: str | None = None
     quantization: str = "auto"  # of the target generating the data (and serving later)
-    num_prompts: int = 2048
+    num_prompts: int = 2048  # template instructions
+    num_questions: int = 2048  # free-form questions the target writes itself (self-instruct)
     eval_prompts: int = 40
     max_tokens: int = 192
     sample_fraction: float = 0.25  # of training prompts answered at sample_temperature
@@ -83,10 +85,10 @@ class Distilled:
     eval_prompt_lens: list[int]
 
 
-def _data_key(recipe: EagleRecipe, source: str) -> str:
+def _data_key(recipe: EagleRecipe, source: str, extra: list | None = None) -> str:
     """Everything that shapes the generated data (not the training options but the seed)."""
     fields = [source, recipe.quantization, recipe.num_prompts, recipe.eval_prompts, recipe.max_tokens,
-              recipe.sample_fraction, recipe.sample_temperature, recipe.train.seed, "v2"]  # fmt: skip
+              recipe.sample_fraction, recipe.sample_temperature, recipe.train.seed, "v2"] + (extra or [])  # fmt: skip
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
@@ -99,13 +101,24 @@ def distill(recipe: EagleRecipe, loaded, times: dict[str, float]) -> tuple[Disti
               kv_cache_memory=recipe.kv_cache_memory, seed=recipe.train.seed,
               verbose=False)  # fmt: skip
     model = llm.engine.runner.model
-    path = cache_dir() / "eagle-data" / f"{_data_key(recipe, loaded.source)}.pt"
+    data = _distill_instructions(recipe, llm, loaded.source, times)
+    if recipe.num_questions:
+        questions, lens = _distill_questions(recipe, llm, loaded.source, times)
+        data.train = HiddenStates(data.train.tokens + questions.tokens, data.train.hidden + questions.hidden)
+        data.train_prompt_lens = data.train_prompt_lens + lens
+        times["num_questions"] = len(lens)
+    return data, model
+
+
+def _distill_instructions(recipe: EagleRecipe, llm, source: str, times: dict[str, float]) -> Distilled:
+    """The template instructions (train) and the held-out prompts (eval), cached."""
+    model = llm.engine.runner.model
+    path = cache_dir() / "eagle-data" / f"{_data_key(recipe, source)}.pt"
     if recipe.data_cache and path.is_file():
         saved = torch.load(path, weights_only=True)
         _log(f"data from {path}")
-        data = Distilled(HiddenStates(saved["train_tokens"], saved["train_hidden"]), saved["train_prompt_lens"],
+        return Distilled(HiddenStates(saved["train_tokens"], saved["train_hidden"]), saved["train_prompt_lens"],
                          HiddenStates(saved["eval_tokens"], saved["eval_hidden"]), saved["eval_prompt_lens"])  # fmt: skip
-        return data, model
     t0 = time.perf_counter()
     train_prompts = instructions("train", recipe.num_prompts, recipe.train.seed)
     eval_prompts = instructions("eval", recipe.eval_prompts, recipe.train.seed)
@@ -132,7 +145,36 @@ def distill(recipe: EagleRecipe, loaded, times: dict[str, float]) -> tuple[Disti
         torch.save({"train_tokens": data.train.tokens, "train_hidden": data.train.hidden,
                     "train_prompt_lens": train_lens, "eval_tokens": data.eval.tokens,
                     "eval_hidden": data.eval.hidden, "eval_prompt_lens": eval_lens}, path)  # fmt: skip
-    return data, model
+    return data
+
+
+def _distill_questions(recipe: EagleRecipe, llm, source: str, times: dict[str, float]) -> tuple[HiddenStates, list[int]]:
+    """Self-instruct: questions the target writes, its greedy answers and hidden states, cached."""
+    from inferd.bench.spec import CHAT_TASKS
+
+    model = llm.engine.runner.model
+    key = _data_key(recipe, source, ["questions", recipe.num_questions])
+    path = cache_dir() / "eagle-data" / f"{key}.pt"
+    if recipe.data_cache and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        _log(f"questions from {path}")
+        return HiddenStates(saved["tokens"], saved["hidden"]), saved["prompt_lens"]
+    t0 = time.perf_counter()
+    held_out = list(CHAT_TASKS) + instructions("eval", recipe.eval_prompts, recipe.train.seed)
+    questions = self_instruct(llm, recipe.num_questions, held_out, recipe.train.seed)
+    _log(f"the target wrote {len(questions)} usable questions; answering them")
+    if not questions:  # a model that writes no usable question (tiny random ones)
+        return HiddenStates([], []), []
+    seqs, lens = generate_sequences(llm, questions, recipe.max_tokens, [0.0] * len(questions),
+                                    recipe.train.seed, progress=recipe.progress)  # fmt: skip
+    states = target_hidden_states(model, seqs)
+    states = HiddenStates(states.tokens, [h.half() for h in states.hidden])
+    times["questions_s"] = time.perf_counter() - t0
+    if recipe.data_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"tokens": states.tokens, "hidden": states.hidden, "prompt_lens": lens,
+                    "questions": questions}, path)  # fmt: skip
+    return states, lens
 
 
 def train_eagle(recipe: EagleRecipe) -> dict:
@@ -189,6 +231,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         "train_positions": n_tokens,  # prompt + response tokens
         "train_response_tokens": n_tokens - sum(data.train_prompt_lens),
         "train_sequences": len(seqs.tokens),
+        "train_questions": int(times.pop("num_questions", 0)),  # self-instruct ones among them
         "eval_prompts": len(data.eval.tokens),
         "options": asdict(recipe.train),
         "first_loss": losses[0],
@@ -208,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         "--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/eagle/<model>)"
     )
     p.add_argument("--quantization", default=r.quantization)
-    p.add_argument("--num-prompts", type=int, default=r.num_prompts)
+    p.add_argument("--num-prompts", type=int, default=r.num_prompts, help="template instructions")
+    p.add_argument("--num-questions", type=int, default=r.num_questions,
+                   help="free-form questions the target writes itself (self-instruct)")
     p.add_argument("--eval-prompts", type=int, default=r.eval_prompts)
     p.add_argument("--max-tokens", type=int, default=r.max_tokens)
     p.add_argument("--sample-fraction", type=float, default=r.sample_fraction)
@@ -235,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                         ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce, ce_rows=a.ce_rows,
                         seed=a.seed)  # fmt: skip
     recipe = EagleRecipe(model=a.model, out=a.out, quantization=a.quantization,
-                         num_prompts=a.num_prompts, eval_prompts=a.eval_prompts,
+                         num_prompts=a.num_prompts, num_questions=a.num_questions,
+                         eval_prompts=a.eval_prompts,
                          max_tokens=a.max_tokens, sample_fraction=a.sample_fraction,
                          sample_temperature=a.sample_temperature,
                          intermediate_size=a.intermediate_size,
