@@ -232,8 +232,13 @@ class EngineLoop:
             self.emit(Replies(accepted, calls, self.stats))
         updates: dict[str, RequestUpdate] = {}
         scheduled: list[str] = []
-        if core.has_unfinished_requests():
+        stepped = core.has_unfinished_requests()
+        if stepped:
             self._step(updates, scheduled, report)
+        elif not commands and not accepted and not report.finished:
+            # An idle poll while a grammar compiles (every 2 ms): nothing happened, and a
+            # message would wake the front end for nothing.
+            return
         self.stats = dataclasses.replace(core.get_stats())
         report.stats = self.stats
         self.emit(StepDone(updates, scheduled, report))
