@@ -93,7 +93,8 @@ def head_loss(
     opts: TrainOptions,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    hidden = pad_batch([data.hidden[i] for i in idx])
+    clean = pad_batch([data.hidden[i] for i in idx])
+    hidden = clean
     tokens = pad_batch([data.tokens[i] for i in idx])
     greedy = pad_batch([data.greedy[i] for i in idx])
     lengths = torch.tensor([len(data.tokens[i]) for i in idx])
@@ -105,7 +106,7 @@ def head_loss(
     t1 = hidden.shape[1] - 1
     pos = torch.arange(t1)
     labels = greedy[:, 1:]
-    target = pad_batch([data.hidden[i] for i in idx])[:, 1:]  # noise-free targets
+    target = clean[:, 1:]  # noise-free targets
     if vocab_map is not None:
         labels = vocab_map[labels]
     total = hidden.new_zeros(())

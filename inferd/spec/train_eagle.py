@@ -83,6 +83,7 @@ class Distilled:
     train_prompt_lens: list[int]
     eval: HiddenStates
     eval_prompt_lens: list[int]
+    num_questions: int = 0  # self-instruct sequences at the end of `train`
 
 
 def _data_key(recipe: EagleRecipe, source: str, extra: list | None = None) -> str:
@@ -106,7 +107,7 @@ def distill(recipe: EagleRecipe, loaded, times: dict[str, float]) -> tuple[Disti
         questions, lens = _distill_questions(recipe, llm, loaded.source, times)
         data.train = HiddenStates(data.train.tokens + questions.tokens, data.train.hidden + questions.hidden)
         data.train_prompt_lens = data.train_prompt_lens + lens
-        times["num_questions"] = len(lens)
+        data.num_questions = len(lens)
     return data, model
 
 
@@ -231,7 +232,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         "train_positions": n_tokens,  # prompt + response tokens
         "train_response_tokens": n_tokens - sum(data.train_prompt_lens),
         "train_sequences": len(seqs.tokens),
-        "train_questions": int(times.pop("num_questions", 0)),  # self-instruct ones among them
+        "train_questions": data.num_questions,  # self-instruct ones among them
         "eval_prompts": len(data.eval.tokens),
         "options": asdict(recipe.train),
         "first_loss": losses[0],
