@@ -1,6 +1,7 @@
-"""The fp32 few-row matmul (csrc/dense_gemv.h) that `Linear` and the fused decode step share:
-close to fp64, the same bits for a row whatever the rows beside it, bias and odd shapes handled,
-and above its row limit the very result of at::linear."""
+"""The fp32 matmuls for decode-sized batches that `Linear` and the fused decode step share
+(csrc/dense_gemv.h up to 8 rows, csrc/dense_gemm.h from 9 to 64): close to fp64, the same bits for
+a row whatever the rows beside it within each kernel's range, bias and odd shapes handled, both
+builds alike, and above 64 rows the very result of at::linear."""
 
 from __future__ import annotations
 
@@ -48,9 +49,36 @@ def test_rows_with_a_stride_and_no_bias(ext) -> None:
     assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x.contiguous(), w))
 
 
+# Row counts of the many-row kernel: one vector of rows and a part of one, several, the limit.
+GEMM_ROWS = [9, 16, 17, 31, 32, 33, 48, 64]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_many_rows_close_to_fp64_and_row_invariant(ext, n, k) -> None:
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(ext.dense_gemm_max_rows, k, generator=g)
+    y = ext.dense_linear(x, w, bias)
+    ref = x.double() @ w.double().T + bias.double()
+    assert (y.double() - ref).abs().max().item() < 1e-4 * (k**0.5)
+    for m in GEMM_ROWS:
+        assert torch.equal(ext.dense_linear(x[:m], w, bias), y[:m]), m
+    # Another batch around the same row: its bits do not move.
+    other = torch.randn(20, k, generator=g)
+    other[7] = x[40]
+    assert torch.equal(ext.dense_linear(other, w, bias)[7], y[40])
+
+
+def test_many_rows_with_a_stride(ext) -> None:
+    w = torch.randn(70, 96)
+    x = torch.randn(40, 200)[:, 10:106]
+    assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x.contiguous(), w))
+
+
 def test_more_rows_are_at_linear(ext) -> None:
     w, b = torch.randn(80, 64), torch.randn(80)
-    x = torch.randn(ext.dense_max_rows + 1, 64)
+    x = torch.randn(ext.dense_gemm_max_rows + 1, 64)
     assert torch.equal(ext.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
@@ -60,6 +88,9 @@ def test_both_builds_agree() -> None:
         pytest.skip("CPU kernels unavailable here")
     w, x = torch.randn(333, 579), torch.randn(5, 579)
     assert torch.equal(native.dense_linear(x, w), avx2.dense_linear(x, w))
+    for m in (9, 24, 64):  # the many-row kernel: 16 lanes here, 8 there, one order
+        x = torch.randn(m, 579)
+        assert torch.equal(native.dense_linear(x, w), avx2.dense_linear(x, w)), m
 
 
 def test_linear_layer_takes_the_kernel_for_any_leading_shape() -> None:

@@ -1,5 +1,5 @@
-"""Greedy output equals HF transformers' on the same weights: batch 1, batched, chunked prefill,
-and under preemption (a KV pool too small for the batch)."""
+"""Greedy output equals HF transformers' on the same weights: batch 1, batched (4 and 16 rows),
+chunked prefill, and under preemption (a KV pool too small for the batch)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def test_batch_of_one_matches_hf(prompt_ids, reference):
 def test_all_together_matches_hf(prompt_ids, reference):
     llm = make_llm()
     assert _generate(llm, prompt_ids) == reference
+    llm.engine.check_no_leaks()
+
+
+def test_batch_of_sixteen_matches_hf(prompt_ids, reference):
+    # Decode steps of 16 rows run the many-row fp32 kernel (csrc/dense_gemm.h), not the few-row one.
+    llm = make_llm()
+    assert _generate(llm, prompt_ids * 4) == reference * 4
     llm.engine.check_no_leaks()
 
 

@@ -22,9 +22,9 @@ class Linear(nn.Module):
         if x.is_cpu and x.dtype == torch.float32 and w.dtype == torch.float32:
             ext = cpu_kernels()
             if ext is not None:
-                # A few rows (decodes, verified drafts): the streaming kernel the fused decode
-                # step runs too (csrc/dense_gemv.h), so both paths give the same bits; it passes
-                # more rows on to at::linear.
+                # Up to 64 rows (decodes, verified drafts): the kernels the fused decode step
+                # runs too (csrc/dense_gemv.h, dense_gemm.h), so both paths give the same bits;
+                # more rows (prefill) go on to at::linear.
                 x2 = x.reshape(-1, x.shape[-1])
                 y = ext.dense_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, self.bias)
                 return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -33,9 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
 
-  // fp32 x[M,K] · w^T (+ bias): this file's streaming kernel up to dense_max_rows rows, the same
-  // bits at any row count; at::linear above.
+  // fp32 x[M,K] · w^T (+ bias): the streaming kernel up to dense_max_rows rows (dense_gemv.h), the
+  // transposed-x kernel up to dense_gemm_max_rows (dense_gemm.h), each the same bits for a row at
+  // any row count in its range; at::linear above.
   m.attr("dense_max_rows") = dense::kMaxRows;
+  m.attr("dense_gemm_max_rows") = dense_gemm::kMaxRows;
   m.def("dense_linear",
         [](const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
           return dense::linear(x, w, bias.has_value() ? *bias : torch::Tensor());

@@ -10,12 +10,15 @@
 // Numerics: each (row, output) is one 8-lane accumulator over k in order, a fixed tree, then the
 // K % 8 tail in order: the same bits whatever the row count, the thread split or the rows beside
 // it. Both the Python `Linear` and the fused decode step (decoder_layers.h) call this, so both
-// paths agree; above kMaxRows both take at::linear.
+// paths agree; from kMaxRows + 1 to dense_gemm::kMaxRows rows both take dense_gemm.h, above that
+// at::linear.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "dense_gemm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -77,7 +80,7 @@ inline void rows_range(const float* x, int64_t ldx, const float* w, int64_t K, i
 inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
   const bool has_bias = bias.defined() && bias.numel() > 0;
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
-  const bool ours = M >= 1 && M <= kMaxRows && x.scalar_type() == torch::kFloat32 &&
+  const bool ours = M >= 1 && M <= dense_gemm::kMaxRows && x.scalar_type() == torch::kFloat32 &&
                     w.scalar_type() == torch::kFloat32 && x.device().is_cpu() && w.dim() == 2 &&
                     w.is_contiguous() && x.stride(1) == 1 && x.size(1) == w.size(1) &&
                     (!has_bias || (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32));
@@ -88,6 +91,11 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, cons
   const float* wp = w.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  static_assert(dense_gemm::kMinRows == kMaxRows + 1, "every row count has one kernel");
+  if (M > kMaxRows) {
+    dense_gemm::gemm(xp, ldx, M, wp, N, K, bp, yp);
+    return y;
+  }
   // At least ~32k weights per piece of work: a tiny layer (tests' random models) runs on the
   // calling thread instead of paying for a parallel region.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
