@@ -81,10 +81,14 @@ def test_engine_chains_equal_the_training_levels(target) -> None:
     assert head.draft([_cache_upto(head, h, toks, 5)], 0)[0].shape == (1, 0)
 
 
-def test_batched_drafts_equal_one_cache_at_a_time(target) -> None:
+@pytest.mark.parametrize("inference", [False, True])
+def test_batched_drafts_equal_one_cache_at_a_time(target, tmp_path, inference) -> None:
     """Caches of different lengths (and one that starts late, as after a prefix-cache hit) drafted
-    together give each the chain it gets alone."""
+    together give each the chain it gets alone: with plain ops, and with the engine's kernels
+    (`load`: the C++ elementwise ops and paged attention over each cache)."""
     head = _trained_like(target, seed=1, intermediate_size=48)
+    if inference:
+        head = EagleHead.load(head.save(tmp_path / "head"), target)
     seqs = _sequences(3, 24, target.config.vocab_size, seed=2)
     states = target_hidden_states(target, seqs)
     caches = [_cache_upto(head, states.hidden[0], states.tokens[0], 20),

@@ -86,3 +86,28 @@ def test_add_rms_norm_is_the_add_then_the_norm():
     total, normed = ext.add_rms_norm(x, delta, w, 1e-5)
     assert torch.equal(total, x + delta)
     assert torch.equal(normed, ext.rms_norm(x + delta, w, 1e-5))
+
+
+@needs_kernels
+def test_argmax_rows_is_torch_argmax():
+    """The greedy pick (sampler, draft heads): torch's index in every case it defines — ties go to
+    the first maximum, a NaN wins (the first one), all -inf is index 0 — at widths with and
+    without a tail after the 8-lane loop, from rows with a stride."""
+    from inferd.sampling.sampler import argmax_rows
+
+    torch.manual_seed(0)
+    for n in (1, 7, 8, 9, 16384, 49152 + 5):
+        x = torch.randn(6, n)
+        x[1] = float("-inf")
+        x[2, :] = 0.5  # all tied
+        if n > 3:
+            x[3, n // 2] = x[3, n - 1] = x[3].max() + 1  # tie between the middle and the tail
+            x[4, n - 2] = float("nan")
+            x[4, 1] = float("nan")
+            x[5, 0] = float("inf")
+        torch.testing.assert_close(argmax_rows(x), x.argmax(dim=-1), rtol=0, atol=0)
+        wide = torch.randn(4, n + 10)[:, 3 : 3 + n]
+        assert torch.equal(argmax_rows(wide), wide.argmax(dim=-1))
+        assert argmax_rows(x).dtype == torch.long
+    bf = torch.randn(3, 100, dtype=torch.bfloat16)  # not fp32: torch's own
+    assert torch.equal(argmax_rows(bf), bf.argmax(dim=-1))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.sampling.processors import apply_processors
-from inferd.sampling.sampler import TokenLogprob, race, sampling_distribution, token_logprob
+from inferd.sampling.sampler import TokenLogprob, argmax_rows, race, sampling_distribution, token_logprob
 from inferd.scheduler.sequence import Sequence
 
 
@@ -83,7 +83,7 @@ def verify(
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     processed = apply_processors(logits, views, eos_token_ids)
-    targets = processed.argmax(dim=-1).tolist()
+    targets = argmax_rows(processed).tolist()
     random_rows = [i for i, v in enumerate(views) if not v.params.greedy]
     probs = None
     if random_rows:

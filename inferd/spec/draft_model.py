@@ -22,7 +22,7 @@ from inferd.loader import ModelLoadError, load_model
 from inferd.models import build_model
 from inferd.sampling.processors import apply_processors
 from inferd.sampling.rejection import DraftView
-from inferd.sampling.sampler import race, sampling_distribution
+from inferd.sampling.sampler import argmax_rows, race, sampling_distribution
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.proposer import Proposer
@@ -149,7 +149,7 @@ class DraftModelProposer(Proposer):
             pad = logits.new_full((logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf"))
             logits = torch.cat([logits, pad], dim=1)
         logits = apply_processors(logits, views, self.eos_token_ids)  # type: ignore[arg-type]
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         random_rows = [i for i, v in enumerate(views) if not v.params.greedy]
         q = None
         if random_rows:

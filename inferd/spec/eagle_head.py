@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from inferd.sampling.sampler import argmax_rows
 from inferd.spec import draft_vocab
 
 FORMAT = "inferd-eagle-head"
@@ -191,6 +192,8 @@ class EagleHead(nn.Module):
         self.__dict__["_target"] = None
         # (token ids [N], LM head over those rows) when drafting over a reduced vocabulary.
         self.__dict__["_draft_vocab"] = None
+        # The C++ CPU kernels once `for_inference` has set the head up for them (None: plain ops).
+        self.__dict__["_kernels"] = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -292,6 +295,13 @@ class EagleHead(nn.Module):
                     lin = Linear(w.shape[1], w.shape[0]).to(w.device)
                     lin.weight.data = w
                     setattr(self, name, lin)
+        from inferd.kernels.quant_gemm import extension
+
+        ext = extension() if self.out_norm.weight.is_cpu and self.out_norm.weight.dtype == torch.float32 else None
+        # The draft step's elementwise ops and its attention as the target's decode step runs
+        # them (csrc/layer_ops.h, paged_attention.h): one C++ call each instead of ~30 small ATen
+        # ops, most of a draft step's time at batch 1.
+        self.__dict__["_kernels"] = ext
         return self
 
     # ---- the layer's pieces (any leading shape) ----------------------------------------------
@@ -319,10 +329,29 @@ class EagleHead(nn.Module):
             self.__dict__["_rope_table"] = table
         return table[0][positions].unsqueeze(-2), table[1][positions].unsqueeze(-2)
 
+    def _rope_full(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, D] at 1-D `positions` in the engine's full-width layout (x·cos +
+        swap_halves(x)·sin, the first half of sin negated): what the C++ rotary takes."""
+        table = self.__dict__.get("_rope_full_table")
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if table is None or len(table[0]) < top:
+            size = 1 << max(top - 1, 255).bit_length()  # grown to the next power of two
+            cos, sin = self._rope(torch.arange(size, device=positions.device), torch.float32)
+            cos, sin = cos.squeeze(-2), sin.squeeze(-2)
+            table = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+            self.__dict__["_rope_full_table"] = table
+        return table[0][positions].unsqueeze(-2), table[1][positions].unsqueeze(-2)
+
     def qkv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated queries [..., NH, D], keys [..., KVH, D] and values [..., KVH, D] of x at
         `positions` (shaped like x without its last dimension)."""
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        ext = self._kernels
+        if ext is not None and x.dim() == 2:
+            qkv = self.qkv(self.attn_norm(x))
+            cos, sin = self._rope_full(positions)
+            qk = ext.rotary(qkv[:, : (nh + nkv) * d].view(-1, nh + nkv, d), cos, sin)
+            return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * d :].view(-1, nkv, d)
         q, k, v = self.qkv(self.attn_norm(x)).split([nh * d, nkv * d, nkv * d], dim=-1)
         cos, sin = self._rope(positions, x.dtype)
         q = rotate(q.unflatten(-1, (nh, d)), cos, sin)
@@ -331,6 +360,11 @@ class EagleHead(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output feature [..., H] from its input x and the attention [..., NH, D]."""
+        ext = self._kernels
+        if ext is not None and x.dim() == 2:
+            eps = self.rms_norm_eps
+            y, h = ext.add_rms_norm(x, self.o_proj(attn.flatten(-2)), self.mlp_norm.weight, eps)
+            return ext.add_rms_norm(y, self.down(ext.silu_mul(self.gate_up(h))), self.out_norm.weight, eps)[1]
         y = x + self.o_proj(attn.flatten(-2))
         gate, up = self.gate_up(self.mlp_norm(y)).chunk(2, dim=-1)
         return self.out_norm(y + self.down(F.silu(gate) * up))
@@ -345,8 +379,8 @@ class EagleHead(nn.Module):
         draft vocabulary when one is set (what greedy drafting picks)."""
         if self._draft_vocab is not None:
             ids, rows = self._draft_vocab
-            return ids[rows(feature.to(self.target.norm.weight.dtype)).argmax(dim=-1)]
-        return self.compute_logits(feature).argmax(dim=-1)
+            return ids[argmax_rows(rows(feature.to(self.target.norm.weight.dtype)))]
+        return argmax_rows(self.compute_logits(feature))
 
     # ---- training: every position of whole sequences at once ---------------------------------
     def forward_levels(
@@ -448,23 +482,37 @@ class EagleHead(nn.Module):
         x = torch.stack([c.x_last for c in caches])  # [B, H]
         pos = torch.tensor([c.end - 1 for c in caches], device=x.device)
         tokens, logits = [], []
+        ext = self._kernels
+        if ext is not None:  # the target's paged attention kernel, each cache one block of its own
+            zero = torch.zeros(1, dtype=torch.long)
+            one, table = zero + 1, zero.view(1, 1)
         for step in range(k):
             q, kk, vv = self.qkv_of(x, pos)
-            outs = []
-            for i, c in enumerate(caches):  # one query per sequence over its own keys
-                n = c.end - c.lo + step
-                if step > 0:
-                    c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
-                keys, values = c.k[:n].transpose(0, 1), c.v[:n].transpose(0, 1)  # [KVH, n, D]
-                s = torch.matmul(q[i].view(nkv, group, d), keys.transpose(1, 2)).mul_(scale)
-                outs.append(torch.matmul(torch.softmax(s, dim=-1), values))  # [KVH, G, D]
-            attn = torch.stack(outs).view(b, nh, d)
+            if ext is not None:
+                attn = torch.empty(b, nh, d)
+                q = q.contiguous()
+                for i, c in enumerate(caches):
+                    n = c.end - c.lo + step
+                    if step > 0:
+                        c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
+                    ext.paged_attention_short(q[i : i + 1], c.k.unsqueeze(0), c.v.unsqueeze(0), zero, one,
+                                              torch.tensor([n]), table, attn[i : i + 1], scale)  # fmt: skip
+            else:
+                outs = []
+                for i, c in enumerate(caches):  # one query per sequence over its own keys
+                    n = c.end - c.lo + step
+                    if step > 0:
+                        c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
+                    keys, values = c.k[:n].transpose(0, 1), c.v[:n].transpose(0, 1)  # [KVH, n, D]
+                    s = torch.matmul(q[i].view(nkv, group, d), keys.transpose(1, 2)).mul_(scale)
+                    outs.append(torch.matmul(torch.softmax(s, dim=-1), values))  # [KVH, G, D]
+                attn = torch.stack(outs).view(b, nh, d)
             feature = self.finish(x, attn)
             if not (return_logits or choose):
                 tok = self.greedy(feature)
             else:
                 step_logits = self.compute_logits(feature)
-                tok = choose(step_logits, step) if choose else step_logits.argmax(dim=-1)
+                tok = choose(step_logits, step) if choose else argmax_rows(step_logits)
                 if return_logits:
                     logits.append(step_logits)
             tokens.append(tok)

@@ -55,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &layer_ops::add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
+  m.def("argmax_rows", &layer_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
 
   using decoder::LayerWeights;
   using decoder::LinearWeights;
