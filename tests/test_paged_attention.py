@@ -160,3 +160,41 @@ def test_shared_prefix_plan_stops_where_tables_or_queries_diverge():
     assert shared_prefix([(1, n, short + [1]), (1, n, short + [2])], 1, bs, CPU) is None
     assert shared_prefix([(1, 12 * bs, a)], 1, bs, CPU) is None
     assert shared_prefix([(1, 12 * bs, a), (1, 12 * bs, [0] + a[1:])], 1, bs, CPU) is None
+
+
+@pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 32)])
+def test_kernel_row_bits_do_not_depend_on_the_step(hq, hkv, d):
+    """A query's output is the same bits as a decode (1 row, context p + 1), as the first or the
+    last row of a 3-row verification (context p + 3 or p + 1), and beside another sequence: greedy
+    speculation is lossless only if verification computes what the plain decode would. The
+    positions cross the 16-key blocks of the d = 64 path and its 256-key splits."""
+    ext = extension()
+    bs, ctx_max = 16, 320
+    g = torch.Generator().manual_seed(3)
+    nb = ctx_max // bs
+    k_cache = torch.randn(2 * nb, bs, hkv, d, generator=g)
+    v_cache = torch.randn(2 * nb, bs, hkv, d, generator=g)
+    table = torch.randperm(2 * nb, generator=g)[:nb].view(1, -1)
+    other = torch.randperm(2 * nb, generator=g)[:nb].view(1, -1)
+    qs = torch.randn(ctx_max, hq, d, generator=g)
+
+    def run(rows: list[int], ctx: int, with_other: bool = False) -> torch.Tensor:
+        q = qs[rows]
+        tables, row_start, q_lens, ctx_lens = table, [0], [len(rows)], [ctx]
+        if with_other:  # a second sequence's decode first in the batch
+            q = torch.cat([qs[:1], q])
+            tables = torch.cat([other, table])
+            row_start, q_lens, ctx_lens = [0, 1], [1, len(rows)], [200, ctx]
+        out = torch.empty_like(q)
+        ext.paged_attention_short(q.contiguous(), k_cache, v_cache, torch.tensor(row_start),
+                                  torch.tensor(q_lens), torch.tensor(ctx_lens), tables, out, d**-0.5)  # fmt: skip
+        return out[-len(rows):]
+
+    for p in (0, 1, 14, 15, 16, 17, 31, 100, 254, 255, 256, 257, 300, 317):
+        alone = run([p], p + 1)[0]
+        if p + 3 <= ctx_max:
+            assert torch.equal(run([p, p + 1, p + 2], p + 3)[0], alone), p
+        if p >= 2:
+            assert torch.equal(run([p - 2, p - 1, p], p + 1)[2], alone), p
+        assert torch.equal(run([p], p + 1, with_other=True)[0], alone), p

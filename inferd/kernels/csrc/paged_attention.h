@@ -251,22 +251,30 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
       // Pass 1: scores for every (query, head) against every visible key of the split.
       int64_t j = j0;
 #ifdef __AVX512F__
-      // fp32 rows, head size 64: 16 keys at a time from the split's start (so a key's block
-      // depends on its position only). A query scores the block's keys it cannot see too: the
-      // softmax and pass 2 stop at its last visible key, so those entries are never read.
+      // fp32 rows, head size 64: every key of the split 16 at a time, the last block padded with
+      // copies of the last key (their scores are dropped). Every lane of scores16_d64 sums in the
+      // same order, so a key's score has the same bits wherever it falls in a block: a query's
+      // output never depends on the context length's remainder or on other query rows (a decode
+      // and the same position inside a verification agree to the bit). A query scores the
+      // block's keys it cannot see too: the softmax and pass 2 stop at its last visible key.
       if constexpr (std::is_same_v<Rows, FloatRows>) {
         if (fast) {
-          for (; j + 16 <= j1; j += 16) {
+          for (; j < j1; j += 16) {
+            const int64_t valid = std::min<int64_t>(16, j1 - j);
             const float* key16[16];
             for (int t = 0; t < 16; ++t) {
-              const int64_t jt = j + t, a = jt + kPrefetchKeys;
+              const int64_t jt = j + std::min<int64_t>(t, valid - 1), a = j + t + kPrefetchKeys;
               key16[t] = keys.row(table[jt / block_size] * block_size + jt % block_size, h, nullptr);
               if (a < j1) keys.prefetch(table[a / block_size] * block_size + a % block_size, h);
             }
+            alignas(64) float part[16];
             for (int64_t i = std::max<int64_t>(0, j - first_pos); i < n_q; ++i) {
               const float* qrow = qp + ((rs[b] + i) * hq + h * group) * d;
-              for (int64_t g = 0; g < group; ++g)
-                scores16_d64(qrow + g * 64, key16, fscale, scores.data() + (i * group + g) * span + j - j0);
+              for (int64_t g = 0; g < group; ++g) {
+                float* out = scores.data() + (i * group + g) * span + j - j0;
+                scores16_d64(qrow + g * 64, key16, fscale, valid == 16 ? out : part);
+                if (valid < 16) std::copy_n(part, valid, out);
+              }
             }
           }
         }
