@@ -111,3 +111,57 @@ def test_argmax_rows_is_torch_argmax():
         assert argmax_rows(x).dtype == torch.long
     bf = torch.randn(3, 100, dtype=torch.bfloat16)  # not fp32: torch's own
     assert torch.equal(argmax_rows(bf), bf.argmax(dim=-1))
+
+
+def _kept_sets_agree(fast: torch.Tensor, slow: torch.Tensor, logits: torch.Tensor, top_k, top_p) -> None:
+    """Each row keeps the same tokens with their logits (the rest -inf), except where the sorted
+    path's fp32 cumulative sum and the kernel's fp64 one round to different sides of top_p: then
+    only the last kept token may differ, and its mass before must be within 1e-5 of top_p."""
+    for r in range(logits.shape[0]):
+        a, b = torch.isfinite(fast[r]), torch.isfinite(slow[r])
+        assert torch.equal(fast[r][a], logits[r][a])
+        if torch.equal(a, b):
+            continue
+        diff = (a ^ b).nonzero().flatten()
+        assert len(diff) == 1, (r, diff)
+        k = int(top_k[r]) if 0 < int(top_k[r]) < logits.shape[1] else logits.shape[1]
+        kept = logits[r].topk(k).values
+        probs = kept.double().softmax(0)
+        before = probs[kept > logits[r][diff[0]]].sum()
+        assert abs(float(before) - float(top_p[r])) < 1e-5, r
+
+
+@needs_kernels
+def test_top_k_top_p_kernel_keeps_what_the_sort_keeps():
+    """The sampler's filter (csrc/sampling_ops.h, which orders the nucleus only) against the
+    full-sort formulation, row by row: peaked and near-flat rows, -inf (masked) tokens, top-k
+    alone, top-p alone, both, and neither."""
+    from inferd.sampling.sampler import _filter_top_k_top_p, _filter_top_k_top_p_sorted
+
+    torch.manual_seed(0)
+    v = 5003
+    rows = [torch.randn(v) * 6, torch.randn(v) * 0.05, torch.randn(v) * 2, torch.randn(v) * 12]
+    rows[2][::3] = float("-inf")
+    logits = torch.stack(rows * 6)  # 24 rows
+    top_k = torch.tensor([0, 0, 0, 0, 1, 7, 300, v, 0, 0, 0, 0, 50, 50, 50, 50, 0, v + 9, 2, 0, 0, 0, 0, 0])
+    top_p = torch.tensor([1.0, 0.95, 0.5, 0.9, 1.0, 1.0, 0.8, 0.3, 0.99, 0.7, 0.0, 0.1,
+                          0.9, 0.95, 0.5, 1.0, 1.0, 0.6, 0.5, 0.999, 0.95, 0.95, 0.95, 0.95])
+    fast = _filter_top_k_top_p(logits, top_k, top_p)
+    nucleus = top_p < 1
+    slow = _filter_top_k_top_p_sorted(logits[nucleus], top_k[nucleus], top_p[nucleus])
+    _kept_sets_agree(fast[nucleus], slow, logits[nucleus], top_k[nucleus], top_p[nucleus])
+    # top_p 1 keeps the whole top-k set (the sorted path's fp32 cumulative sum reaches 1.0 early
+    # on a peaked row and dropped its tail there).
+    for r in (~nucleus).nonzero().flatten().tolist():
+        k = int(top_k[r]) if 0 < int(top_k[r]) < v else v
+        want = torch.full((v,), float("-inf"))
+        idx = logits[r].topk(k).indices
+        want[idx] = logits[r][idx]
+        assert torch.equal(fast[r], want), r
+    assert torch.equal(fast[0], logits[0]) and torch.equal(fast[16], logits[16])  # no filter
+    assert int(torch.isfinite(fast[4]).sum()) == 1 and int(torch.isfinite(fast[10]).sum()) == 1
+    assert int(torch.isfinite(fast[6]).sum()) <= 300
+    # Rows from a real distribution's shape: 49k logits, nucleus of a few hundred.
+    big = torch.randn(8, 49152) * 4
+    k8, p8 = torch.zeros(8, dtype=torch.long), torch.full((8,), 0.95)
+    _kept_sets_agree(_filter_top_k_top_p(big, k8, p8), _filter_top_k_top_p_sorted(big, k8, p8), big, k8, p8)

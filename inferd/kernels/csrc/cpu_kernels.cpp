@@ -9,6 +9,7 @@
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemm.h"
+#include "sampling_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // int8_x: quantize x to int8 per 32-block and use integer dot products (int8_dot.h).
@@ -55,7 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &layer_ops::add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
-  m.def("argmax_rows", &layer_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
+  // The sampler's row work (sampling_ops.h).
+  m.def("argmax_rows", &sampling_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
+  m.def("top_k_top_p", &sampling_ops::top_k_top_p, "logits outside each row's top-k / top-p set to -inf",
+        py::arg("logits"), py::arg("top_k"), py::arg("top_p"));
 
   using decoder::LayerWeights;
   using decoder::LinearWeights;
