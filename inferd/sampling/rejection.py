@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.sampling.processors import apply_processors
-from inferd.sampling.sampler import TokenLogprob, argmax_rows, race, sampling_distribution, token_logprob
+from inferd.sampling.sampler import TokenLogprob, argmax_rows, draw, sampling_distribution, token_logprob
 from inferd.scheduler.sequence import Sequence
 
 
@@ -128,5 +128,5 @@ def _rejection_sample(p: torch.Tensor, seq: Sequence, drafts: list[int]) -> list
             residual = (p[i] - q[i]).clamp_(min=0.0)
         if not bool((residual > 0).any()):  # p == q up to rounding: nothing to correct
             residual = p[i]
-        return drafts[:i] + [int(race(residual.unsqueeze(0), [seq])[0])]
-    return drafts + [int(race(p[len(drafts)].unsqueeze(0), [seq])[0])]
+        return drafts[:i] + [int(draw(residual.unsqueeze(0), [seq])[0])]
+    return drafts + [int(draw(p[len(drafts)].unsqueeze(0), [seq])[0])]

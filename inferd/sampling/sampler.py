@@ -114,7 +114,7 @@ class Sampler:
         return SampleResult(token_list, logprob_out)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        return race(sampling_distribution(logits, seqs), seqs)
+        return draw(sampling_distribution(logits, seqs), seqs)
 
 
 def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
@@ -136,15 +136,23 @@ def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
     return probs
 
 
-def race(probs: torch.Tensor, seqs: list) -> torch.Tensor:
-    """One token per row of `probs` (unnormalized is fine). Exponential-race sampling:
-    argmax(p / E), E ~ Exp(1), picks token i with probability p_i / sum(p). Each seeded row draws
-    E from its sequence's own generator: reproducible whatever else is in the batch."""
-    noise = torch.empty_like(probs)
+def draw(probs: torch.Tensor, seqs: list) -> torch.Tensor:
+    """One token per row of `probs` [R, V] (unnormalized is fine), by inverse CDF: one uniform u
+    per row, the first token whose cumulative probability exceeds u times the total. Each seeded
+    row draws u from its sequence's own generator: reproducible whatever else is in the batch.
+    (Exponential-race sampling, argmax(p / E), drew V random numbers per row: PyTorch's CPU
+    `exponential_` took 38 ms for 32 rows of 49k, as long as the decode step.)"""
+    u = torch.empty(len(seqs), dtype=torch.float64)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
     for i, s in enumerate(seqs):
         if s.generator is not None:
-            noise[i].exponential_(generator=s.generator)
-    return argmax_rows(probs / noise)
+            u[i] = torch.rand(1, generator=s.generator, dtype=torch.float64, device=s.generator.device).cpu()
+    if probs.dim() == 2 and probs.is_cpu and probs.dtype == torch.float32 and probs.stride(-1) == 1:
+        ext = cpu_kernels()
+        if ext is not None:
+            return ext.sample_rows(probs, u)
+    cdf = probs.double().cumsum(dim=-1)
+    x = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

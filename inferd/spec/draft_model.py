@@ -22,7 +22,7 @@ from inferd.loader import ModelLoadError, load_model
 from inferd.models import build_model
 from inferd.sampling.processors import apply_processors
 from inferd.sampling.rejection import DraftView
-from inferd.sampling.sampler import argmax_rows, race, sampling_distribution
+from inferd.sampling.sampler import argmax_rows, draw, sampling_distribution
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.proposer import Proposer
@@ -155,5 +155,5 @@ class DraftModelProposer(Proposer):
         if random_rows:
             q = torch.zeros_like(logits)
             q[random_rows] = sampling_distribution(logits[random_rows], [views[i] for i in random_rows])
-            tokens[random_rows] = race(q[random_rows], [views[i] for i in random_rows])
+            tokens[random_rows] = draw(q[random_rows], [views[i] for i in random_rows])
         return tokens.tolist(), q

@@ -60,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &sampling_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
   m.def("top_k_top_p", &sampling_ops::top_k_top_p, "logits outside each row's top-k / top-p set to -inf",
         py::arg("logits"), py::arg("top_k"), py::arg("top_p"));
+  m.def("sample_rows", &sampling_ops::sample_rows, "one token per row of probs by inverse CDF at u",
+        py::arg("probs"), py::arg("u"));
 
   using decoder::LayerWeights;
   using decoder::LinearWeights;

@@ -261,4 +261,41 @@ inline torch::Tensor top_k_top_p(const torch::Tensor& logits, const torch::Tenso
   return out;
 }
 
+// One token per row of probs [T, V] (>= 0, unnormalised) for u [T] uniform in [0, 1): the first
+// index whose running sum (fp64, in index order) exceeds u · total, the inverse CDF. The total is
+// summed in the same order, so the walk always ends inside the row, and a token of probability 0
+// is never drawn. One random number per row: exponential-race sampling drew one per token, and
+// PyTorch's CPU exponential_ took 1.4 ms for a 49k row, 38 ms for 32 (a decode step's worth).
+inline torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.size(1) > 0, "sample_rows: probs [T, V] expected");
+  const int64_t t = probs.size(0), v = probs.size(1);
+  layer_ops::check_rows(probs, v, "sample_rows");
+  TORCH_CHECK(u.scalar_type() == torch::kFloat64 && u.is_contiguous() && u.numel() == t,
+              "sample_rows: u float64 [T] expected");
+  auto out = torch::empty({t}, probs.options().dtype(torch::kLong));
+  const float* pp = probs.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t stride = probs.stride(0);
+  at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = pp + r * stride;
+      double total = 0.0;
+      for (int64_t i = 0; i < v; ++i) total += p[i];
+      const double x = up[r] * total;
+      double run = 0.0;
+      int64_t pick = 0;  // a row of zeros (nothing to draw): token 0, as an argmax would give
+      for (int64_t i = 0; i < v; ++i) {
+        run += p[i];
+        if (run > x) {
+          pick = i;
+          break;
+        }
+      }
+      op[r] = pick;
+    }
+  });
+  return out;
+}
+
 }  // namespace sampling_ops
