@@ -260,6 +260,7 @@ def _tiles_ext():
 def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
     """A weight packed into tiles computes exactly what its row layout computes (the same exact
     block sums, the same fp32 operations) at every row count, and dequantises to the same values."""
+    from inferd.quantization import formats
     from inferd.quantization.formats import pack_tiles
 
     ext = _tiles_ext()
@@ -271,8 +272,12 @@ def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
         tiles = pack_tiles(qw)
         assert tiles.layout == "tiles" and tiles.data.numel() == qw.data.numel()
         np.testing.assert_array_equal(dequantize_rows(tiles).numpy(), dequantize_rows(qw).numpy())
-        rows = torch.tensor([5, 0, qw.shape[0] - 1, 17 % qw.shape[0]])
+        rows = torch.tensor([5, 0, qw.shape[0] - 1, 17 % qw.shape[0], 5])
         assert torch.equal(dequantize_rows(tiles, rows), dequantize_rows(qw, rows))
+        # The lookup's C++ loop (an embedding's rows) and the ATen formulation: the same bits.
+        assert torch.equal(formats._dequantize_tiles(tiles, rows), formats._dequantize_tiles_torch(tiles, rows))
+        with pytest.raises(RuntimeError, match="out of range"):
+            formats._dequantize_tiles(tiles, torch.tensor([qw.shape[0]]))
         back = tiles.rows(rows)  # a row-layout subset (the draft head's vocabulary does this)
         assert back.layout == "rows" and torch.equal(dequantize_rows(back), dequantize_rows(qw, rows))
         for m in (1, 3, 9, 70):

@@ -141,6 +141,14 @@ def _tile_values(w: QuantizedWeight, rows: torch.Tensor | None):
 
 
 def _dequantize_tiles(w: QuantizedWeight, rows: torch.Tensor | None) -> torch.Tensor:
+    ext = _kernels()
+    if rows is not None and ext is not None and w.data.is_cpu:  # an embedding lookup: C++, the same bits
+        mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
+        return ext.tiles_rows(w.data, w.scales, mins, torch.as_tensor(rows).reshape(-1).long().contiguous())
+    return _dequantize_tiles_torch(w, rows)
+
+
+def _dequantize_tiles_torch(w: QuantizedWeight, rows: torch.Tensor | None) -> torch.Tensor:
     q, scales, mins = _tile_values(w, rows)
     y = q.float() * scales.repeat_interleave(32, dim=1)
     return y if mins is None else y + mins.repeat_interleave(32, dim=1)

@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
+  m.def("tiles_rows", &quant_gemm::tiles_rows, "rows of packed tiles, dequantised to fp32 [R, K]",
+        py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("rows"));
 
   // fp32 x[M,K] · w^T (+ bias): the streaming kernel up to dense_max_rows rows (dense_gemv.h), the
   // transposed-x kernel up to dense_gemm_max_rows (dense_gemm.h), each the same bits for a row at

@@ -419,6 +419,66 @@ torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, t
   return y;
 }
 
+// Rows `rows` of a packed weight, dequantised: fp32 [R, K] (a tied embedding's lookup). Output n is
+// lane n % 16 of tile n // 16; in a 32-weight block, int8 register r (of 8) holds weights 4r..4r+3
+// as bytes ^ 0x80; int4 registers r (of 4) hold weights 4r.. in their low nibbles and 16 + 4r.. in
+// their high ones. value = q * scale (+ min): a multiply then an add, as formats._dequantize_tiles
+// computes it (a dozen ATen ops and whole 16-row tiles per lookup, ~4 % of a batch-1 decode step).
+torch::Tensor tiles_rows(torch::Tensor w, torch::Tensor ws, torch::Tensor wm, torch::Tensor rows) {
+  const bool half = ws.scalar_type() == torch::kFloat16;
+  TORCH_CHECK((half || ws.scalar_type() == torch::kFloat32) && ws.is_contiguous() && ws.dim() == 3 && ws.size(2) == 16,
+              "tile scales must be contiguous fp16 or fp32 [N / 16, K / 32, 16]");
+  const int64_t tiles = ws.size(0), nb = ws.size(1), N = tiles * 16, K = nb * 32;
+  const bool nibbles = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(w.is_contiguous() && w.numel() == N * (nibbles ? K / 2 : K) && (nibbles || w.scalar_type() == torch::kInt8),
+              "tile weights must be the packed int8 [N, K] or uint8 [N, K / 2]");
+  const bool has_mins = wm.numel() > 0;
+  TORCH_CHECK(!has_mins || (wm.sizes() == ws.sizes() && wm.scalar_type() == ws.scalar_type() && wm.is_contiguous()),
+              "tile mins must match the tile scales");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows: int64 [R] expected");
+  const int64_t R = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " out of range [0, ", N, ")");
+  auto out = torch::empty({R, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const int64_t tile_bytes = nb * (nibbles ? 256 : 512);
+  float* op = out.data_ptr<float>();
+  const auto scale_at = [&](const torch::Tensor& t, int64_t i) {
+    return half ? static_cast<float>(t.data_ptr<at::Half>()[i]) : t.data_ptr<float>()[i];
+  };
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = rp[r], tile = n / 16, lane = n % 16;
+      const uint8_t* tb = base + tile * tile_bytes;
+      float* o = op + r * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t si = (tile * nb + b) * 16 + lane;
+        alignas(32) float q[32];
+        if (nibbles) {
+          for (int reg = 0; reg < 4; ++reg)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = tb[((b * 4 + reg) * 16 + lane) * 4 + j];
+              q[4 * reg + j] = static_cast<float>(byte & 0x0F);
+              q[16 + 4 * reg + j] = static_cast<float>(byte >> 4);
+            }
+        } else {
+          for (int reg = 0; reg < 8; ++reg)
+            for (int j = 0; j < 4; ++j)
+              q[4 * reg + j] = static_cast<float>(static_cast<int8_t>(tb[((b * 8 + reg) * 16 + lane) * 4 + j] ^ 0x80));
+        }
+        const __m256 s = _mm256_set1_ps(scale_at(ws, si));
+        const __m256 mn = _mm256_set1_ps(has_mins ? scale_at(wm, si) : 0.f);
+        for (int c = 0; c < 32; c += 8) {
+          __m256 y = _mm256_mul_ps(_mm256_load_ps(q + c), s);  // intrinsics: never contracted to an FMA
+          if (has_mins) y = _mm256_add_ps(y, mn);
+          _mm256_storeu_ps(o + b * 32 + c, y);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 }  // namespace quant_gemm
