@@ -91,3 +91,16 @@ def test_kv_pool_size_reads_like_serves(tiny_llama_hf, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main([*base, "--kv-cache-memory", "lots"])
     assert e.value.code == 2 and "not a byte size" in capsys.readouterr().err
+
+
+def test_latency_sampled_is_inferd_only(tiny_llama_hf, capsys) -> None:
+    """`--temperature` times inferd's sampling path (filters and draws every step); the greedy
+    peers would not be comparable, so asking for them is a clear error."""
+    argv = ["bench", "latency", "--model", str(tiny_llama_hf.path), "--batch-size", "3", "--input-len", "8",
+            "--output-len", "5", "--runs", "1", "--peers", "none", "--temperature", "0.8", "--top-p", "0.9"]  # fmt: skip
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert report["temperature"] == 0.8 and report["top_p"] == 0.9
+    assert set(report["engines"]) == {"inferd"} and report["engines"]["inferd"]["decode_tps"] > 0
+    assert main([*argv[:-6], "--peers", "hf", "--temperature", "0.8"]) != 0
+    assert "--peers none" in capsys.readouterr().err

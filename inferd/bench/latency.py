@@ -92,6 +92,9 @@ def run_latency(args: argparse.Namespace) -> dict:
         raise ValueError("--batch-size, --input-len and --runs must be ≥ 1 and --output-len ≥ 2 "
                          "(a decode step needs a token after the first)")  # fmt: skip
     wanted = parse_peers(args.peers)
+    sampled = args.temperature > 0
+    if sampled and wanted:  # the peers' runs are greedy: a sampled inferd would not be comparable
+        raise ValueError("--temperature > 0 measures inferd's sampling alone: pass --peers none")
     set_threads(args.threads)
     path = resolve_model_path(args.model)
     loaded = load_model(path, verbose=False, quantization=args.quantization)
@@ -144,7 +147,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         print(note, file=sys.stderr)
     # Engines interleave run by run: load from other jobs on the machine hits all of them alike.
     for i in range(args.runs):
-        runs["inferd"].append(peers.inferd_generate_timed(engine, prompts, n_out))
+        runs["inferd"].append(peers.inferd_generate_timed(engine, prompts, n_out, args.temperature, args.top_p))
         if hf_model is not None:
             runs["hf"].append(peers.hf_generate_timed(hf_model, prompts, n_out, pad))
         if llama is not None:
@@ -165,7 +168,7 @@ def run_latency(args: argparse.Namespace) -> dict:
     report: dict = {
         "bench": "latency", "model": str(path), "quantization": args.quantization,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
-        "batch_size": b, "input_len": n_in,
+        "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
         "roofline": roof.as_dict(), "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
@@ -201,4 +204,7 @@ def add_latency_parser(sub) -> None:
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="inferd's KV storage (auto: the model dtype; llama.cpp keeps fp16)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature instead of greedy (inferd only: --peers none)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
     p.set_defaults(func=run_latency)

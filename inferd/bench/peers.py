@@ -75,13 +75,14 @@ class Timed:
 # ---- inferd ----------------------------------------------------------------------------------
 
 
-def inferd_generate_timed(engine, prompts: list[list[int]], output_len: int) -> Timed:
-    """All `prompts` added at once, greedy, exactly `output_len` tokens each; `stamps` are the
-    ends of the steps that produced tokens (the first is the end of the prefill when the batch's
-    prompts fit one step's token budget)."""
+def inferd_generate_timed(engine, prompts: list[list[int]], output_len: int,
+                          temperature: float = 0.0, top_p: float = 1.0) -> Timed:  # fmt: skip
+    """All `prompts` added at once, greedy (or sampled at `temperature`, `top_p`), exactly
+    `output_len` tokens each; `stamps` are the ends of the steps that produced tokens (the first is
+    the end of the prefill when the batch's prompts fit one step's token budget)."""
     from inferd.sampling.params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True)
     tag = time.monotonic_ns()
     ids = [f"bench-{tag}-{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
