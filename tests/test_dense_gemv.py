@@ -25,21 +25,32 @@ def ext(request):
 SHAPES = [(960, 576), (576, 1536), (37, 576), (50, 77), (3, 5)]
 
 
+# Row counts of the many-row kernel: one vector of rows and a part of one, several, the limit.
+GEMM_ROWS = [9, 16, 17, 31, 32, 33, 48, 64]
+
+
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_close_to_fp64_and_row_invariant(ext, n, k) -> None:
-    g = torch.Generator().manual_seed(n * 1000 + k)
+@pytest.mark.parametrize("kernel", ["few rows", "many rows"])
+def test_close_to_fp64_and_row_invariant(ext, n, k, kernel) -> None:
+    few = kernel == "few rows"
+    top = ext.dense_max_rows if few else ext.dense_gemm_max_rows
+    g = torch.Generator().manual_seed(n * 1000 + k + top)
     w = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g)
-    x = torch.randn(ext.dense_max_rows, k, generator=g)
+    x = torch.randn(top, k, generator=g)
     y = ext.dense_linear(x, w, bias)
     ref = x.double() @ w.double().T + bias.double()
     assert (y.double() - ref).abs().max().item() < 1e-4 * (k**0.5)
-    # Any number of rows up to the limit, any row among them: the same bits.
-    for m in range(1, ext.dense_max_rows + 1):
-        part = ext.dense_linear(x[:m], w, bias)
-        assert torch.equal(part, y[:m])
-    for i in range(ext.dense_max_rows):
-        assert torch.equal(ext.dense_linear(x[i : i + 1], w, bias), y[i : i + 1])
+    # Any number of rows in the kernel's range, any row among them: the same bits.
+    for m in range(1, top + 1) if few else GEMM_ROWS:
+        assert torch.equal(ext.dense_linear(x[:m], w, bias), y[:m]), m
+    if few:
+        for i in range(top):
+            assert torch.equal(ext.dense_linear(x[i : i + 1], w, bias), y[i : i + 1])
+    else:  # another batch around the same row
+        other = torch.randn(20, k, generator=g)
+        other[7] = x[40]
+        assert torch.equal(ext.dense_linear(other, w, bias)[7], y[40])
 
 
 def test_rows_with_a_stride_and_no_bias(ext) -> None:
@@ -47,27 +58,6 @@ def test_rows_with_a_stride_and_no_bias(ext) -> None:
     wide = torch.randn(4, 200)
     x = wide[:, 10:106]  # rows 200 floats apart, columns contiguous
     assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x.contiguous(), w))
-
-
-# Row counts of the many-row kernel: one vector of rows and a part of one, several, the limit.
-GEMM_ROWS = [9, 16, 17, 31, 32, 33, 48, 64]
-
-
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_many_rows_close_to_fp64_and_row_invariant(ext, n, k) -> None:
-    g = torch.Generator().manual_seed(n * 7 + k)
-    w = torch.randn(n, k, generator=g)
-    bias = torch.randn(n, generator=g)
-    x = torch.randn(ext.dense_gemm_max_rows, k, generator=g)
-    y = ext.dense_linear(x, w, bias)
-    ref = x.double() @ w.double().T + bias.double()
-    assert (y.double() - ref).abs().max().item() < 1e-4 * (k**0.5)
-    for m in GEMM_ROWS:
-        assert torch.equal(ext.dense_linear(x[:m], w, bias), y[:m]), m
-    # Another batch around the same row: its bits do not move.
-    other = torch.randn(20, k, generator=g)
-    other[7] = x[40]
-    assert torch.equal(ext.dense_linear(other, w, bias)[7], y[40])
 
 
 def test_many_rows_with_a_stride(ext) -> None:
