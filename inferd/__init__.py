@@ -8,6 +8,31 @@ import os
 # torch is imported; a value the user set wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+
+def _keep_freed_memory() -> None:
+    """glibc returns every freed block of more than ~32 MiB (its adaptive mmap threshold; 128 KiB
+    at first) to the OS, so a step's large temporaries (a batch's logits: 6 MiB at 32 rows) are
+    page-faulted and zeroed afresh every step, huge pages included: 1.9 ms to allocate and fill
+    6 MiB, against 0.17 ms from memory kept in the heap; the sampler's distribution for 32 rows
+    took 14.9 ms instead of 2.7; a batch-32 `-q auto` decode step 41-47 ms instead of 53-60 (two
+    alternations). Large blocks now come from the heap and freed memory stays there (what an
+    inference server keeps at its peak anyway). INFERD_MALLOPT=0 leaves glibc as is."""
+    if os.environ.get("INFERD_MALLOPT", "1") == "0":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not libc.mallopt(m_mmap_threshold, 1 << 30):  # newer glibc caps it at 32 MiB
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+_keep_freed_memory()
+
 from inferd.engine.llm import LLM
 from inferd.engine.outputs import CompletionOutput, RequestOutput
 from inferd.sampling.params import SamplingParams
