@@ -15,8 +15,8 @@ def _keep_freed_memory() -> None:
     page-faulted and zeroed afresh every step, huge pages included: 1.9 ms to allocate and fill
     6 MiB, against 0.17 ms from memory kept in the heap; the sampler's distribution for 32 rows
     took 14.9 ms instead of 2.7; a batch-32 `-q auto` decode step 41-47 ms instead of 53-60 (two
-    alternations). Large blocks now come from the heap and freed memory stays there (what an
-    inference server keeps at its peak anyway). INFERD_MALLOPT=0 leaves glibc as is."""
+    alternations). Blocks under 32 MiB now come from the heap and freed memory stays there (what
+    an inference server keeps at its peak anyway). INFERD_MALLOPT=0 leaves glibc as is."""
     if os.environ.get("INFERD_MALLOPT", "1") == "0":
         return
     try:
@@ -26,8 +26,9 @@ def _keep_freed_memory() -> None:
     except OSError:  # not glibc (musl, macOS): nothing to tune
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    if not libc.mallopt(m_mmap_threshold, 1 << 30):  # newer glibc caps it at 32 MiB
-        libc.mallopt(m_mmap_threshold, 32 << 20)
+    # Blocks of 32 MiB and more still get their own fresh mmap, zero-filled by the kernel: the KV
+    # pool (engine/model_runner.py, _LAZY_ZERO_BYTES) relies on that instead of touching every page.
+    libc.mallopt(m_mmap_threshold, 32 << 20)
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 

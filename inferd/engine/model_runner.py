@@ -22,8 +22,8 @@ from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
-# Allocations this large come from fresh anonymous mmap on Linux (above glibc's mmap threshold),
-# which the kernel fills with zeros lazily; torch.zeros would touch every page up front (7 s for
+# Allocations this large come from fresh anonymous mmap on Linux (above glibc's mmap threshold,
+# which importing inferd fixes at 32 MiB), which the kernel fills with zeros lazily; torch.zeros would touch every page up front (7 s for
 # 4 GiB here). Smaller ones, and any CUDA pool, are zeroed explicitly: attention reads padded,
 # masked slots, and 0 × NaN from garbage memory would poison the output.
 _LAZY_ZERO_BYTES = 64 << 20
