@@ -488,21 +488,21 @@ class EagleHead(nn.Module):
             one, table = zero + 1, zero.view(1, 1)
         for step in range(k):
             q, kk, vv = self.qkv_of(x, pos)
+            if step > 0:  # each chain's key and value from its previous step, after the true ones
+                for i, c in enumerate(caches):
+                    n = c.end - c.lo + step
+                    c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
             if ext is not None:
                 attn = torch.empty(b, nh, d)
                 q = q.contiguous()
                 for i, c in enumerate(caches):
                     n = c.end - c.lo + step
-                    if step > 0:
-                        c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
                     ext.paged_attention_short(q[i : i + 1], c.k.unsqueeze(0), c.v.unsqueeze(0), zero, one,
                                               torch.tensor([n]), table, attn[i : i + 1], scale)  # fmt: skip
             else:
                 outs = []
                 for i, c in enumerate(caches):  # one query per sequence over its own keys
                     n = c.end - c.lo + step
-                    if step > 0:
-                        c.k[n - 1], c.v[n - 1] = kk[i], vv[i]
                     keys, values = c.k[:n].transpose(0, 1), c.v[:n].transpose(0, 1)  # [KVH, n, D]
                     s = torch.matmul(q[i].view(nkv, group, d), keys.transpose(1, 2)).mul_(scale)
                     outs.append(torch.matmul(torch.softmax(s, dim=-1), values))  # [KVH, G, D]
