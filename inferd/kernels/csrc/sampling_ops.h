@@ -79,6 +79,26 @@ constexpr int kHistBins = 4096;
 constexpr size_t kSortDirectly = 4096;  // candidates a top-p row sorts without the histogram
 constexpr float kHistNats = 32.f;  // below max - 32 a token's probability is < 1.3e-14
 
+// Candidates (logit, index) largest first, the lower index first among equal logits.
+inline void sort_largest_first(std::vector<std::pair<float, int64_t>>& cand) {
+  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+}
+
+// Top-p's walk over sorted candidates: each is kept while the mass before it (`before`, from the
+// tokens already kept above them) stays under `target`; the first is kept regardless unless
+// some token above was.
+inline void keep_nucleus(const std::vector<std::pair<float, int64_t>>& cand, const float* ev, double before,
+                         bool kept_above, double target, float* o) {
+  for (const auto& c : cand) {
+    if (kept_above && !(before < target)) break;
+    o[c.second] = c.first;
+    before += ev[c.second];
+    kept_above = true;
+  }
+}
+
 inline float row_max(const float* l, int64_t v) {
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
@@ -131,15 +151,9 @@ inline bool nucleus_of_peaked_row(const float* l, int64_t v, float m, double p, 
   for (; i < v; ++i)
     if (ev[i] >= floor && l[i] != -INFINITY) cand.emplace_back(l[i], i);
   if (cand.size() > kSortDirectly) return false;
-  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
+  sort_largest_first(cand);
   std::fill_n(o, v, -INFINITY);
-  double before = 0.0;
-  for (size_t c = 0; c < cand.size() && (c == 0 || before < p * z); ++c) {
-    o[cand[c].second] = cand[c].first;
-    before += ev[cand[c].second];
-  }
+  keep_nucleus(cand, ev, 0.0, false, p * z, o);
   return true;
 }
 
@@ -233,9 +247,7 @@ inline torch::Tensor top_k_top_p(const torch::Tensor& logits, const torch::Tenso
         if (bin[i] < first_sorted) o[i] = l[i];  // above the boundary bin: kept whole
         else cand.emplace_back(l[i], i);
       }
-      std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      });
+      sort_largest_first(cand);
       if (k < v) {  // exactly the k largest, renormalised for top-p
         cand.resize(std::min<size_t>(cand.size(), k));
         above = 0.0;
@@ -246,16 +258,8 @@ inline torch::Tensor top_k_top_p(const torch::Tensor& logits, const torch::Tenso
         for (const auto& c : cand) o[c.second] = c.first;
         continue;
       }
-      // Walk the sorted candidates: keep while the mass before stays under top_p (the very first
-      // kept token always).
-      double before = above;
-      bool any = first_sorted > 0 && above > 0.0;
-      for (const auto& c : cand) {
-        if (any && !(before < p * z)) break;
-        o[c.second] = c.first;
-        before += ev[c.second];
-        any = true;
-      }
+      // Walk the boundary bin (or the top-k set) from the mass of the bins kept whole above it.
+      keep_nucleus(cand, ev.data(), above, first_sorted > 0 && above > 0.0, p * z, o);
     }
   });
   return out;
