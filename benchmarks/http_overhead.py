@@ -45,7 +45,7 @@ def _offline_step_ms(args: argparse.Namespace) -> float:
     return report["engines"]["inferd"]["decode_step_ms"]["p50"]
 
 
-def _http_tpot_ms(args: argparse.Namespace, url: str, result: Path) -> float:
+def _http_tpot_ms(args: argparse.Namespace, url: str, result: Path, seed: int) -> float:
     pin = None
     if args.client_cpu >= 0:  # the client runs here too: keep it off the engine's main core
 
@@ -55,7 +55,8 @@ def _http_tpot_ms(args: argparse.Namespace, url: str, result: Path) -> float:
     subprocess.run(
         [*CLI, "bench", "serve", "--base-url", url, "--concurrency", "1",
          "--num-prompts", str(args.requests), "--input-len", str(args.input_len),
-         "--output-len", str(args.output_len), "--ignore-eos", "--result-file", str(result)],
+         "--output-len", str(args.output_len), "--ignore-eos", "--seed", str(seed),
+         "--result-file", str(result)],
         capture_output=True, text=True, check=True, cwd=ROOT, preexec_fn=pin,
     )  # fmt: skip
     return json.loads(result.read_text())["points"][0]["tpot_ms"]["p50"]
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(0.2)
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "serve.json"
-            _http_tpot_ms(args, url, result)  # warm-up: first-request imports, caches
+            _http_tpot_ms(args, url, result, -1)  # warm-up: first-request imports, caches
             for i in range(args.rounds):
-                offline, http = _offline_step_ms(args), _http_tpot_ms(args, url, result)
+                offline, http = _offline_step_ms(args), _http_tpot_ms(args, url, result, i)
                 rounds.append((offline, http))
                 print(f"round {i + 1}: offline {offline:.2f} ms/token, HTTP {http:.2f} ms/token "
                       f"({offline / http:.3f}×)", file=sys.stderr)  # fmt: skip

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server_utils import SMALL_ENGINE, RemoteServer, free_port
+from test_server_utils import SMALL_ENGINE, RemoteServer, free_port, metric
 
 from inferd.cli import main
 
@@ -22,7 +22,12 @@ def server() -> Iterator[RemoteServer]:
     srv.close()
 
 
+def _prefix_hits(server: RemoteServer) -> float:
+    return metric(httpx.get(f"{server.url}/metrics").text, "inferd:prefix_cache_hits_total")
+
+
 def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> None:
+    hits0 = _prefix_hits(server)
     result_file = tmp_path / "out.json"
     argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
             "--concurrency", "1,4", "--input-len", "32", "--output-len", "8", "--ignore-eos",
@@ -44,6 +49,22 @@ def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> N
             s = p[key]
             assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
         assert p["ttft_ms"]["p99"] <= p["e2e_ms"]["p99"]
+    # Every request its own prompt, across both points: none is served from the prefix cache
+    # (the second point once re-sent the first's prompts and measured cache hits, not prefill).
+    assert _prefix_hits(server) == hits0
+
+
+def test_runs_with_another_seed_send_other_prompts(server: RemoteServer, capsys) -> None:
+    """`--seed` n and n + 1 share no prompt (per-prompt seeds n + i once overlapped all but one)."""
+    hits0 = _prefix_hits(server)
+    for seed in ("5", "6"):
+        argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--seed", seed,
+                "--concurrency", "2", "--input-len", "32", "--output-len", "2", "--ignore-eos"]  # fmt: skip
+        assert main(argv) == 0
+    assert _prefix_hits(server) == hits0
+    # The same seed again is the same prompts: now they hit.
+    assert main(argv) == 0
+    assert _prefix_hits(server) > hits0
 
 
 def test_wrong_base_url_is_a_clear_error(capsys) -> None:

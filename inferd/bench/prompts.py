@@ -17,8 +17,10 @@ _WORDS = (
 ).split()
 
 
-def synthetic_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int) -> list[int]:
-    """Token ids of a word-salad sentence, cut to exactly `num_tokens` tokens."""
+def synthetic_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int | str) -> list[int]:
+    """Token ids of a word-salad sentence, cut to exactly `num_tokens` tokens. A str seed (e.g.
+    "run seed/index") keeps the prompts of different runs apart: ints n and n + 1 would give two
+    runs all but one prompt in common."""
     rng = random.Random(seed)
     words: list[str] = []
     ids: list[int] = []

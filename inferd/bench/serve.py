@@ -108,7 +108,7 @@ async def _send(
 
 
 async def _run_point(
-    args: argparse.Namespace, model: str, prompts: list[Prompt], concurrency: int
+    args: argparse.Namespace, model: str, prompts: PromptSource, concurrency: int
 ) -> tuple[list[RequestResult], float]:
     """Closed loop at `concurrency`, or Poisson arrivals at `--request-rate` capped by it."""
     from tqdm import tqdm
@@ -145,7 +145,7 @@ async def _run_point(
             if args.duration is not None and time.perf_counter() - start >= args.duration:
                 sem.release()
                 break
-            tasks.append(asyncio.create_task(one(prompts[i % len(prompts)])))
+            tasks.append(asyncio.create_task(one(prompts.take())))
             i += 1
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -192,23 +192,50 @@ def _summarize(
     }
 
 
-def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
-    if args.dataset:
-        prompts = []
-        for line in Path(args.dataset).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                prompts.append(Prompt(row["prompt"], int(row.get("output_len", args.output_len))))
-        if not prompts:
-            raise BenchServeError(f"no prompts in {args.dataset}")
-        return prompts
-    from inferd.bench.prompts import synthetic_prompt
-    from inferd.loader import load_model
+class PromptSource:
+    """The prompts of a run, handed out in order across every point of a sweep.
 
-    tok = load_model(args.tokenizer, verbose=False).tokenizer  # None: the default model's
-    n = args.num_prompts or 64
-    return [Prompt(tok.decode(synthetic_prompt(tok, args.input_len, seed=args.seed + i)), args.output_len)
-            for i in range(n)]  # fmt: skip
+    Synthetic prompts are never sent twice: a repeat would be served from the server's prefix
+    cache, so a sweep's later points (and a second run with the next --seed) would measure cache
+    hits instead of prefill. Each prompt's seed is "<--seed>/<index>". A --dataset file is what
+    the user chose to send: it is cycled as given."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.made: list[Prompt] = []
+        self.next = 0
+        self.tok = None
+        if args.dataset:
+            for line in Path(args.dataset).read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.made.append(Prompt(row["prompt"], int(row.get("output_len", args.output_len))))
+            if not self.made:
+                raise BenchServeError(f"no prompts in {args.dataset}")
+        else:
+            from inferd.loader import load_model
+
+            self.tok = load_model(args.tokenizer, verbose=False).tokenizer  # None: the default model's
+
+    def _make(self, i: int) -> Prompt:
+        from inferd.bench.prompts import synthetic_prompt
+
+        ids = synthetic_prompt(self.tok, self.args.input_len, seed=f"{self.args.seed}/{i}")
+        return Prompt(self.tok.decode(ids), self.args.output_len)
+
+    def prepare(self, n: int) -> None:
+        """Make the next `n` prompts now, outside the timed loop."""
+        while self.tok is not None and len(self.made) < self.next + n:
+            self.made.append(self._make(len(self.made)))
+
+    def take(self) -> Prompt:
+        if self.tok is None:  # a dataset: cycled
+            p = self.made[self.next % len(self.made)]
+        else:
+            self.prepare(1)
+            p = self.made[self.next]
+        self.next += 1
+        return p
 
 
 def _server_model(args: argparse.Namespace) -> str:
@@ -281,9 +308,11 @@ def run_serve(args: argparse.Namespace) -> dict:
     if not sweep or min(sweep) < 1:
         raise BenchServeError(f"--concurrency must be positive integers, got {args.concurrency!r}")
     model = _server_model(args)
-    prompts = _load_prompts(args)
+    prompts = PromptSource(args)
     points = []
     for c in sweep:
+        if args.num_prompts is not None:
+            prompts.prepare(args.num_prompts)
         results, secs = asyncio.run(_run_point(args, model, prompts, c))
         points.append(_summarize(args, c, results, secs))
         if points[-1]["completed"] == 0:
