@@ -154,7 +154,7 @@ def _kv_bytes_row(cfg, dtype) -> str:
 
     auto = kv_bytes_per_token(cfg, dtype, "auto")
     parts = [f"auto {auto:,} ({str(dtype).removeprefix('torch.')})"]
-    for name in ("int8", "fp8"):
+    for name in ("float16", "int8", "fp8"):
         n = kv_bytes_per_token(cfg, dtype, name)
         parts.append(f"{name} {n:,} ({auto / n:.2f}x the tokens)")
     return " · ".join(parts)

@@ -53,6 +53,10 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+# --kv-cache-dtype: auto (the model's dtype), a 2-byte float, or one byte per element + a scale.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -63,13 +67,13 @@ class CacheConfig:
     # Upper bound for the automatic size on CPU, where "free memory" is the whole machine's.
     max_auto_kv_cache_memory: int = 4 << 30
     enable_prefix_caching: bool = True
-    # auto (the model's dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e5m2: see inferd/kv/kv_cache.py
+    # One of KV_CACHE_DTYPES: see inferd/kv/kv_cache.py
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"--kv-cache-dtype must be auto, int8, fp8, fp8_e4m3 or fp8_e5m2; got {self.kv_cache_dtype!r}"
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import re
 
-from inferd.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from inferd.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
-
-
-KV_CACHE_DTYPES = ["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 def parse_bytes(text: str) -> int:
@@ -43,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size in bytes (e.g. 2GiB); default: a share of free memory")  # fmt: skip
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto = the model dtype; int8 / fp8 (e4m3) / fp8_e5m2 = one "
-                        "byte per element + a scale per token and head (~4x the tokens of fp32)")  # fmt: skip
+                   help="KV cache storage: auto = the model dtype; float16 / bfloat16 = 2 bytes per "
+                        "element (2x the tokens of fp32, half the bytes a decode step reads); int8 / "
+                        "fp8 (e4m3) / fp8_e5m2 = one byte per element + a scale per token and head "
+                        "(~4x the tokens of fp32)")  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

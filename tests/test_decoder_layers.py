@@ -1,6 +1,7 @@
 """The fused decode step (csrc/decoder_layers.h: every layer in one C++ call for steps whose rows
 all go to the paged attention kernel) gives the Python layer loop's bits: same tokens, same
-logprobs, whatever the weights' format, biases, activation precision or batch size."""
+logprobs, whatever the weights' format, biases, activation precision, KV cache dtype or batch
+size."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PROMPTS = [
 ]
 
 
-def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: bool) -> tuple[list, int]:
+def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: bool,
+              kv_cache_dtype: str = "auto") -> tuple[list, int]:  # fmt: skip
     """Greedy outputs (tokens and top-2 logprobs) and how many steps took the fused path."""
     monkeypatch.setattr(llama, "FUSED_DECODE", fused)
     calls = [0]
@@ -41,27 +43,31 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
     monkeypatch.setattr(SpecPolicy, "record_proposer_time", lambda self, *args: None)
     config = {"method": "ngram", "num_speculative_tokens": 3} if spec else None
     llm = LLM(str(path), quantization=quantization, verbose=False, kv_cache_memory=4 << 20,
-              speculative_config=config)  # fmt: skip
+              speculative_config=config, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
 
 
 @pytest.mark.parametrize(
-    "name,quantization",
+    "name,quantization,kv_cache_dtype",
     [
-        ("llama-f32.gguf", "none"),  # fp32 weights: F.linear
-        ("qwen2-f32.gguf", "none"),  # q/k/v biases
-        ("qwen2-f32.gguf", "int4"),  # biases after a quantized matmul
-        ("llama-f32.gguf", "int8"),
-        ("llama-f32.gguf", "fp8"),
-        ("llama-mixed.gguf", "auto"),  # GGUF's own Q4_1/Q8_0 blocks, fp16 scales
+        ("llama-f32.gguf", "none", "auto"),  # fp32 weights: F.linear
+        ("qwen2-f32.gguf", "none", "auto"),  # q/k/v biases
+        ("qwen2-f32.gguf", "int4", "auto"),  # biases after a quantized matmul
+        ("llama-f32.gguf", "int8", "auto"),
+        ("llama-f32.gguf", "fp8", "auto"),
+        ("llama-mixed.gguf", "auto", "auto"),  # GGUF's own Q4_1/Q8_0 blocks, fp16 scales
+        # A 2-byte cache: the fused step rounds K/V as it writes them as ATen's .to() does.
+        ("llama-f32.gguf", "none", "float16"),
+        ("llama-mixed.gguf", "auto", "bfloat16"),
     ],
 )
-def test_fused_decode_gives_the_python_layers_bits(tiny_models, monkeypatch, name, quantization):
+def test_fused_decode_gives_the_python_layers_bits(tiny_models, monkeypatch, name, quantization,
+                                                    kv_cache_dtype):  # fmt: skip
     path = tiny_models[name].path
-    want, python_calls = _generate(path, quantization, False, monkeypatch, PROMPTS, spec=True)
-    got, fused_calls = _generate(path, quantization, True, monkeypatch, PROMPTS, spec=True)
+    want, python_calls = _generate(path, quantization, False, monkeypatch, PROMPTS, True, kv_cache_dtype)
+    got, fused_calls = _generate(path, quantization, True, monkeypatch, PROMPTS, True, kv_cache_dtype)
     assert python_calls == 0 and fused_calls > 0
     assert got == want
 

@@ -1,6 +1,7 @@
-"""Quantized KV cache (`--kv-cache-dtype int8|fp8|fp8_e5m2`): the quantizer's error bounds, the
-C++ kernel against the gather + SDPA path on the same quantized cache and against fp32 attention,
-copy-on-write of scales, pool capacity, and the engine end to end on a tiny model."""
+"""KV caches narrower than the model (`--kv-cache-dtype float16|bfloat16|int8|fp8|fp8_e5m2`): the
+quantizer's error bounds, the C++ kernel against the gather + SDPA path on the same cache and
+against fp32 attention (on a 2-byte cache, to the bit against an fp32 cache of the same values),
+copy-on-write of scales, pool capacity, and the engine end to end on a tiny and the real model."""
 
 from __future__ import annotations
 
@@ -9,11 +10,20 @@ import torch
 
 from inferd.config import CacheConfig, EngineConfig
 from inferd.kernels.paged_attention import extension
-from inferd.kv.kv_cache import KVCache, dequantize_kv, kv_bytes_per_token, kv_format, quantize_kv
+from inferd.kv.kv_cache import (
+    KVCache,
+    QuantizedKV,
+    dequantize_kv,
+    kv_bytes_per_token,
+    kv_format,
+    quantize_kv,
+)
 from inferd.layers.attention import AttentionMetadata, PrefillSlice, paged_attention
 from tests.test_paged_attention import make_groups
 
 QUANTIZED = ["int8", "fp8", "fp8_e5m2"]
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+NARROW = [*HALF, *QUANTIZED]
 # Worst relative error of one element against its row's max |value|: int8 rounds to 1/254 of it;
 # fp8 rounds to half a unit in the last place, 2^-4 (e4m3) or 2^-3 (e5m2) relative to the value.
 ELEMENT_BOUND = {"int8": 0.5 / 127 + 1e-6, "fp8": 2**-4 + 1e-6, "fp8_e5m2": 2**-3 + 1e-6}
@@ -46,6 +56,8 @@ def test_bad_kv_cache_dtype_is_refused() -> None:
         CacheConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         kv_format("fp16")
+    with pytest.raises(ValueError, match="float16 KV cache stores float16"):
+        KVCache(torch.zeros(1, 2, 1, 1, 1, 1), "float16")
 
 
 def _case(
@@ -66,7 +78,7 @@ def _case(
     k_cache, v_cache = cache.layers()[0]
     # Context written through the same path the model's writes take.
     all_slots = torch.arange(num_blocks * bs)
-    if name is None:
+    if not isinstance(k_cache, QuantizedKV):
         k_cache.view(-1, hkv, d).copy_(fill_k), v_cache.view(-1, hkv, d).copy_(fill_v)
     else:
         k_cache.write(all_slots, fill_k), v_cache.write(all_slots, fill_v)
@@ -92,35 +104,67 @@ SHAPES = [
 
 
 @pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", NARROW)
 @pytest.mark.parametrize("hq,hkv,d,bs,shapes", SHAPES)
-def test_kernel_matches_sdpa_on_quantized_cache(name, hq, hkv, d, bs, shapes) -> None:
+def test_kernel_matches_sdpa_on_narrow_cache(name, hq, hkv, d, bs, shapes) -> None:
     want, cache_a = _case(name, 0, hq, hkv, d, bs, shapes, use_kernel=False)
     got, cache_b = _case(name, 0, hq, hkv, d, bs, shapes, use_kernel=True)
-    assert torch.equal(cache_a.data, cache_b.data) and torch.equal(cache_a.scales, cache_b.scales)
+    assert torch.equal(cache_a.data, cache_b.data)
+    if cache_a.scales is not None:
+        assert torch.equal(cache_a.scales, cache_b.scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_cascade_matches_sdpa_on_quantized_cache(name) -> None:
-    """Cascade attention (shared prefix blocks) reads quantized codes like the other paths."""
+def _rounded(x: torch.Tensor, name: str | None) -> torch.Tensor:
+    return x if name is None else x.to(HALF[name]).float()
+
+
+@pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
+@pytest.mark.parametrize("name", list(HALF))
+@pytest.mark.parametrize("hq,hkv,d,bs,shapes", SHAPES + [(9, 3, 64, 16, [(1, 300), (3, 513), (1, 16)])])
+def test_kernel_on_half_cache_gives_fp32_cache_bits(name, hq, hkv, d, bs, shapes) -> None:
+    """fp16 / bf16 widen exactly, so attention over a 2-byte cache equals, bit for bit, attention
+    over an fp32 cache holding the same rounded values (this step's K/V included): the kernel's
+    arithmetic is the fp32 path's (across splits of 256 keys and partial blocks too)."""
+    g = torch.Generator().manual_seed(5)
+    num_blocks = 80
+    fill = [_rounded(torch.randn(num_blocks * bs, hkv, d, generator=g) * s, name) for s in (3, 1)]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    slots, t, _, kern, _ = make_groups(shapes, bs, perm, 0)
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = (torch.randn(t, hkv, d, generator=g) * s for s in (3, 1))
+    outs = {}
+    for store in (name, None):
+        dtype = HALF[name] if store else torch.float32
+        k_cache, v_cache = torch.zeros(2, num_blocks, bs, hkv, d, dtype=dtype)
+        k_cache.view(-1, hkv, d).copy_(fill[0]), v_cache.view(-1, hkv, d).copy_(fill[1])
+        meta = AttentionMetadata(slots, bs, None, [], kernel_group=kern)
+        step_k, step_v = (k, v) if store else (_rounded(k, name), _rounded(v, name))
+        outs[store] = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, d**-0.5)
+    assert torch.equal(outs[name], outs[None])
+
+
+@pytest.mark.parametrize("name", NARROW)
+def test_cascade_matches_sdpa_on_narrow_cache(name) -> None:
+    """Cascade attention (shared prefix blocks) reads the cache like the other paths."""
     shapes = [(1, 150), (5, 141), (3, 160)]  # 8 shared blocks of 16: 128 tokens before all queries
     want, _ = _case(name, 3, 9, 3, 64, 16, shapes, use_kernel=False, shared=8)
     got, _ = _case(name, 3, 9, 3, 64, 16, shapes, use_kernel=False, shared=8, cascade=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_quantized_attention_close_to_fp32(name) -> None:
+@pytest.mark.parametrize("name", NARROW)
+def test_narrow_attention_close_to_fp32(name) -> None:
     hq, hkv, d, bs, shapes = SHAPES[0]
     use_kernel = extension() is not None
     want, _ = _case(None, 0, hq, hkv, d, bs, shapes, use_kernel)
     got, _ = _case(name, 0, hq, hkv, d, bs, shapes, use_kernel)
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel < {"int8": 0.01, "fp8": 0.05, "fp8_e5m2": 0.1}[name], rel
+    bound = {"float16": 1e-3, "bfloat16": 0.01, "int8": 0.01, "fp8": 0.05, "fp8_e5m2": 0.1}
+    assert rel < bound[name], rel
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", NARROW)
 def test_prefill_attends_to_its_own_kv_as_stored(name) -> None:
     """A first chunk (no earlier context) reads its K/V as the cache holds them: its output equals
     the same chunk attended back from the cache."""
@@ -129,7 +173,8 @@ def test_prefill_attends_to_its_own_kv_as_stored(name) -> None:
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     outs = []
     for mask in (None, torch.ones(t, t, dtype=torch.bool).tril()):
-        cache = KVCache(torch.zeros(1, 2, 4, bs, hkv, d, dtype=torch.uint8), name)
+        storage = KVCache.storage_dtype(name, torch.float32)
+        cache = KVCache(torch.zeros(1, 2, 4, bs, hkv, d, dtype=storage), name)
         meta = AttentionMetadata(
             torch.arange(t), bs, None, [PrefillSlice(0, t, t, torch.arange(3), mask)]
         )
@@ -149,8 +194,8 @@ def test_copy_blocks_copies_scales() -> None:
     assert torch.equal(cache.scales[:, :, 3], cache.scales[:, :, 1])
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_pool_holds_about_four_times_the_fp32_tokens(tiny_llama_hf, name) -> None:
+@pytest.mark.parametrize("name", NARROW)
+def test_pool_holds_two_or_about_four_times_the_fp32_tokens(tiny_llama_hf, name) -> None:
     from inferd.engine.core import EngineCore
 
     budget = 4 << 20
@@ -160,14 +205,15 @@ def test_pool_holds_about_four_times_the_fp32_tokens(tiny_llama_hf, name) -> Non
                for n in ("auto", name)}  # fmt: skip
     cfg = engines["auto"].model_config
     blocks = {n: e.kv.pool.num_blocks for n, e in engines.items()}
-    ratio = 4 * cfg.head_dim / (cfg.head_dim + 4)  # fp32 vs one byte + a 4-byte scale per head_dim
+    # fp32 vs two bytes, or one byte + a 4-byte scale per head_dim
+    ratio = 2 if name in HALF else 4 * cfg.head_dim / (cfg.head_dim + 4)
     assert blocks[name] == budget // (16 * kv_bytes_per_token(cfg, torch.float32, name))
     assert abs(blocks[name] / blocks["auto"] - ratio) < 0.05
     assert engines[name].runner.kv_cache.nbytes <= budget
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_engine_runs_with_quantized_kv(tiny_llama_hf, name) -> None:
+@pytest.mark.parametrize("name", NARROW)
+def test_engine_runs_with_narrow_kv(tiny_llama_hf, name) -> None:
     """Batched, chunked and forked (n=2: copy-on-write) generation on a tiny model: it runs and no
     block leaks; with int8 most greedy tokens match fp32 KV (a random model's logits are near ties,
     so fp8's coarser rounding flips them: the real model's test below measures fp8's quality)."""
@@ -184,7 +230,7 @@ def test_engine_runs_with_quantized_kv(tiny_llama_hf, name) -> None:
         outs[n] = [c.token_ids for r in res for c in r.outputs]
         llm.engine.check_no_leaks()
     assert [len(x) for x in outs[name]] == [12] * 6
-    if name == "int8":
+    if name in ("int8", "float16", "bfloat16"):
         same = sum(a == b for x, y in zip(outs["auto"], outs[name]) for a, b in zip(x, y))
         assert same >= 0.8 * sum(map(len, outs["auto"])), outs
 
@@ -209,7 +255,7 @@ def fp32_kv_greedy():
     return ids, _generate(make_llm(), ids)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("name", ["float16", "int8", "fp8"])
 def test_real_model_greedy_close_to_fp32_kv(fp32_kv_greedy, name) -> None:
     from inferd import SamplingParams
     from tests.real_model import make_llm

@@ -1,6 +1,11 @@
-"""The KV tensors of every layer, stored as `--kv-cache-dtype` says: the model's dtype (`auto`) or
-one byte per element (`int8`, `fp8` = `fp8_e4m3`, `fp8_e5m2`) with one fp32 scale per (slot, kv
-head), quantized as K/V are written and dequantized as attention reads them.
+"""The KV tensors of every layer, stored as `--kv-cache-dtype` says: the model's dtype (`auto`), a
+2-byte float (`float16`, `bfloat16`: rounded as written, widened as read; llama.cpp's default
+cache is f16), or one byte per element (`int8`, `fp8` = `fp8_e4m3`, `fp8_e5m2`) with one fp32
+scale per (slot, kv head), quantized as K/V are written and dequantized as attention reads them.
+
+Why a narrower cache than the model: a decode step reads every sequence's whole context, so at
+batch 32 on the CPU, attention is bound by memory bandwidth (fp32, 190-token contexts: 280 MB a
+step), and its bytes are what a smaller element saves.
 
 The scale is dynamic: each new token's head vector is scaled so its largest |value| maps to the
 format's largest code, so nothing needs calibrating and an outlier in one token or head costs
@@ -18,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.config import ModelConfig
+from inferd.config import KV_CACHE_DTYPES, ModelConfig
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Plain (unscaled) storage narrower than an fp32 model's: the kernel widens these in registers.
+_FLOAT_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,28 +47,36 @@ _FORMATS = {
 
 
 def kv_format(kv_cache_dtype: str) -> KVFormat | None:
-    """The quantized format of a `--kv-cache-dtype`, or None for `auto` (the model's dtype)."""
+    """The quantized format of a `--kv-cache-dtype`, or None for plain float storage (`auto`,
+    `float16`, `bfloat16`)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
         )
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype == "auto" or kv_cache_dtype in _FLOAT_STORAGE:
         return None
     return _FORMATS["fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype]
+
+
+def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for a model computing in `dtype`."""
+    if kv_format(kv_cache_dtype) is not None:
+        return torch.uint8
+    return _FLOAT_STORAGE.get(kv_cache_dtype, dtype)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Pool bytes one token takes over all layers, K and V, scales included."""
     fmt = kv_format(kv_cache_dtype)
     if fmt is None:
-        return cfg.kv_bytes_per_token(dtype)
+        return cfg.kv_bytes_per_token(storage_dtype(kv_cache_dtype, dtype))
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
 
 
 def describe(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     fmt = kv_format(kv_cache_dtype)
     return (
-        str(dtype).removeprefix("torch.")
+        str(storage_dtype(kv_cache_dtype, dtype)).removeprefix("torch.")
         if fmt is None
         else f"{fmt.name} + fp32 scale per token and head"
     )
@@ -135,15 +149,15 @@ class KVCache:
         self.data = data
         self.fmt = kv_format(kv_cache_dtype)
         self.scales: torch.Tensor | None = None
+        if kv_cache_dtype in _FLOAT_STORAGE and data.dtype != _FLOAT_STORAGE[kv_cache_dtype]:
+            raise ValueError(f"a {kv_cache_dtype} KV cache stores {kv_cache_dtype}, got {data.dtype}")
         if self.fmt is not None:
             if data.dtype != torch.uint8:
                 raise ValueError(f"a {self.fmt.name} KV cache stores uint8 codes, got {data.dtype}")
             # Zeroed: padded, masked slots are read too, and a garbage NaN scale would poison them.
             self.scales = torch.zeros(data.shape[:-1], dtype=torch.float32, device=data.device)
 
-    @staticmethod
-    def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-        return dtype if kv_format(kv_cache_dtype) is None else torch.uint8
+    storage_dtype = staticmethod(storage_dtype)
 
     @property
     def nbytes(self) -> int:

@@ -16,8 +16,9 @@ The masks and index tensors are built once per step (`AttentionMetadata`) and sh
 
 A quantized cache (`--kv-cache-dtype int8|fp8`, inferd/kv/kv_cache.py) arrives as `QuantizedKV`:
 K/V are quantized as they are written and dequantized as they are read (the C++ kernel reads the
-codes in place), and a chunk without earlier context attends to its own K/V *as stored*, so every
-path sees the same values whatever the chunking.
+codes in place). A float16 / bfloat16 cache is a plain tensor narrower than the queries: K/V are
+rounded as written and widened as read. Either way a chunk without earlier context attends to its
+own K/V *as stored*, so every path sees the same values whatever the chunking.
 
 When every sequence of a padded group starts with the same cached blocks (prefix-cache hits: one
 system prompt, a shared document), the group runs as cascade attention (`SharedPrefix`): the shared
@@ -137,7 +138,7 @@ def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.T
     than 2-D advanced indexing)."""
     if isinstance(cache, QuantizedKV):
         return cache.gather(blocks, dtype)
-    return cache.index_select(0, blocks)
+    return cache.index_select(0, blocks).to(dtype)
 
 
 def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> torch.Tensor:
@@ -208,8 +209,11 @@ def paged_attention(
         k = k_cache.write(meta.slot_mapping, k)
         v = v_cache.write(meta.slot_mapping, v)
     else:
+        if k_cache.dtype != k.dtype:  # a 2-byte cache: round once, attend to what is stored
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     gqa = q.shape[1] != n_kv
 
     out = None

@@ -5,9 +5,9 @@ CPython's language reference (`pydoc_data/topics.py`, shipped with every CPython
 
 The text is cut into non-overlapping windows; each window is one prefill through the model and
 scores its next-token predictions. Modes int8/int4/fp8 quantize the fp32 weights (so "int4" tests
-inferd's quantizer); "auto" keeps a GGUF's blocks as shipped; "kv-int8", "kv-fp8", "kv-fp8_e5m2"
-keep fp32 weights and store K/V as `--kv-cache-dtype` would (attention reads every key and value
-back quantized, the window's own included). A "-a8" suffix ("auto-a8", "int4-a8") runs every
+inferd's quantizer); "auto" keeps a GGUF's blocks as shipped; "kv-float16", "kv-bfloat16",
+"kv-int8", "kv-fp8", "kv-fp8_e5m2" keep fp32 weights and store K/V as `--kv-cache-dtype` would
+(attention reads every key and value back as stored, the window's own included). A "-a8" suffix ("auto-a8", "int4-a8") runs every
 int8/int4 matmul on int8 activations, the numerics decode uses (windows alone would take the
 fp32-activation prefill path). The last line is one JSON document.
 """

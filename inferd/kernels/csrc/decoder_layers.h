@@ -1,6 +1,6 @@
 // Every decoder layer of a decode step in one call: the Llama layer of inferd/models/llama.py,
 // op for op, for steps whose every query row goes to the paged attention kernel (decodes and
-// speculative verification) over an fp32 KV cache.
+// speculative verification) over an fp32, fp16 or bf16 KV cache.
 //
 // Why: at batch 1 the Python layer loop issued ~25 ATen calls per layer, 30 layers, ~6 ms of a
 // ~20 ms int4 decode step (py-spy); from C++ each call skips the Python binding and argument

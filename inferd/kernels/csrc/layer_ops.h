@@ -89,21 +89,43 @@ inline std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor
   return {sum, y};
 }
 
-// cache [N, block_size, H, D] fp32: the rows of `rows` [T, H, D] (each row's H·D values
-// contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch).
+// n fp32 values rounded to the nearest even fp16 / bf16, as ATen's `.to()` rounds them (so the
+// fused decode step stores the bits the Python layers' index_copy_ would).
+inline void narrow_row(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+inline void narrow_row(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// cache [N, block_size, H, D] fp32, fp16 or bf16: the fp32 rows of `rows` [T, H, D] (each row's
+// H·D values contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch).
 inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
   const int64_t t = rows.size(0), n = rows.size(1) * rows.size(2);
-  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat32 &&
+  const auto dtype = cache.scalar_type();
+  TORCH_CHECK(cache.is_contiguous() &&
+                  (dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16) &&
                   rows.scalar_type() == torch::kFloat32 && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
                   slots.scalar_type() == torch::kInt64 && slots.numel() == t,
-              "write_rows: fp32 cache and rows, int64 slots expected");
+              "write_rows: fp32 / fp16 / bf16 cache, fp32 rows, int64 slots expected");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float* cp = cache.data_ptr<float>();
   const float* rp = rows.data_ptr<float>();
   const int64_t num_slots = cache.numel() / n;
   for (int64_t r = 0; r < t; ++r) {
     TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "write_rows: slot out of range");
-    std::memcpy(cp + sp[r] * n, rp + r * rows.stride(0), n * sizeof(float));
+    const float* src = rp + r * rows.stride(0);
+    if (dtype == torch::kFloat32)
+      std::memcpy(cache.data_ptr<float>() + sp[r] * n, src, n * sizeof(float));
+    else if (dtype == torch::kFloat16)
+      narrow_row(src, cache.data_ptr<c10::Half>() + sp[r] * n, n);
+    else
+      narrow_row(src, cache.data_ptr<c10::BFloat16>() + sp[r] * n, n);
   }
 }
 

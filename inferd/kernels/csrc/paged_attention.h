@@ -3,8 +3,9 @@
 //
 // One task per (sequence, kv head): the G = Hq / Hkv query heads that share the kv head and all
 // of the sequence's q_len queries are scored against each key as it is read, so K and V are read
-// once per task. Two passes (scores, then weighted V) with an exact softmax in fp32. A quantized
-// cache (int8 / fp8 codes with a scale per slot and head) is decoded a row at a time as it is read.
+// once per task. Two passes (scores, then weighted V) with an exact softmax in fp32. A 2-byte cache
+// (fp16 / bf16) is widened to fp32 in registers as it is read; a quantized cache (int8 / fp8 codes
+// with a scale per slot and head) is decoded a row at a time.
 #pragma once
 
 #include <torch/extension.h>
@@ -74,21 +75,56 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead, in keys
 
-// Where a slot-head's K or V row comes from. FloatRows: fp32 in place. CodeRows: one byte per
-// element (int8, fp8 e4m3 or e5m2 bits) decoded into a buffer, and the row's scale, which the
-// caller folds into the score (K) or the softmax weight (V) rather than into every element.
-struct FloatRows {
-  const float* base;
+#ifdef __AVX512F__
+// 16 elements widened to fp32. fp16 and bf16 widen exactly, so everything after the load is the
+// fp32 cache's arithmetic: a 2-byte cache gives the bits an fp32 cache holding the same (rounded)
+// values would.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is an fp32's top half
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// Where a slot-head's K or V row comes from. PlainRows: fp32, fp16 or bf16 elements in place (a
+// 2-byte cache halves the bytes a decode step reads; at batch 32 that is most of attention's
+// time). CodeRows: one byte per element (int8, fp8 e4m3 or e5m2 bits) decoded into a buffer, and
+// the row's scale, which the caller folds into the score (K) or the softmax weight (V) rather
+// than into every element.
+template <class T>
+struct PlainRows {
+  using elem = T;
+  static constexpr bool kInPlace = true;
+  const T* base;
   int64_t hkv, d;
-  const float* row(int64_t slot, int64_t h, float*) const { return base + (slot * hkv + h) * d; }
+  const T* ptr(int64_t slot, int64_t h) const { return base + (slot * hkv + h) * d; }
+  const float* row(int64_t slot, int64_t h, float* buf) const {
+    if constexpr (std::is_same_v<T, float>) {
+      return ptr(slot, h);
+    } else {
+      const T* p = ptr(slot, h);
+      for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(p[i]);
+      return buf;
+    }
+  }
   float scale(int64_t, int64_t) const { return 1.f; }
-  void prefetch(int64_t slot, int64_t h) const { prefetch_bytes(base + (slot * hkv + h) * d, d * 4); }
+  void prefetch(int64_t slot, int64_t h) const { prefetch_bytes(ptr(slot, h), d * static_cast<int64_t>(sizeof(T))); }
+#ifdef __AVX512F__
+  void load_d64(int64_t slot, int64_t h, float*, __m512 out[4]) const {
+    const T* p = ptr(slot, h);
+    for (int c = 0; c < 4; ++c) out[c] = load16(p + 16 * c);
+  }
+#endif
 };
 
 enum Code : int64_t { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
 
 template <int64_t C>
 struct CodeRows {
+  static constexpr bool kInPlace = false;
   const uint8_t* base;
   const float* scales;  // [slots, hkv]
   int64_t hkv, d;
@@ -113,6 +149,28 @@ struct CodeRows {
   }
   float scale(int64_t slot, int64_t h) const { return scales[slot * hkv + h]; }
   void prefetch(int64_t slot, int64_t h) const { prefetch_bytes(base + (slot * hkv + h) * d, d); }
+#ifdef __AVX512F__
+  void load_d64(int64_t slot, int64_t h, float* buf, __m512 out[4]) const {
+    const float* v = row(slot, h, buf);
+    for (int c = 0; c < 4; ++c) out[c] = _mm512_loadu_ps(v + 16 * c);
+  }
+#endif
+};
+
+// A sequence's key position → its slot in the pool, through its block table. The engine's block
+// sizes are powers of two: a shift and a mask instead of the division and remainder, which cost
+// two 64-bit idivs per key and pass (a key's own slot and the one prefetched ahead). The draft
+// head's caches come as one block of any size.
+struct Slots {
+  const int64_t* table;
+  int64_t block_size;
+  int shift;  // log2(block_size), or -1 when it is not a power of two
+  Slots(const int64_t* t, int64_t bs)
+      : table(t), block_size(bs), shift(bs > 0 && (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1) {}
+  int64_t operator()(int64_t j) const {
+    if (shift >= 0) return (table[j >> shift] << shift) | (j & (block_size - 1));
+    return table[j / block_size] * block_size + j % block_size;
+  }
 };
 
 // Keys per split: a context longer than this is attended in pieces of it by separate tasks, each
@@ -175,18 +233,17 @@ inline void scores16_d64(const float* q, const float* const key[16], float s, fl
 
 // o[g] = Σ_{j in [j0, jend)} p[g][j - j0] · scale_j · V_j for the G rows of one query.
 template <int G, class Rows>
-inline void values_d64(const Rows& vals, const int64_t* table, int64_t block_size, int64_t h,
+inline void values_d64(const Rows& vals, const Slots& slot_of, int64_t h,
                        int64_t j0, int64_t jend, const float* p, int64_t p_stride, float* o, float* buf) {
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = j0; j < jend; ++j) {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    if (const int64_t a = j + kPrefetchKeys; a < jend) vals.prefetch(table[a / block_size] * block_size + a % block_size, h);
-    const float* v = vals.row(slot, h, buf);
+    const int64_t slot = slot_of(j);
+    if (const int64_t a = j + kPrefetchKeys; a < jend) vals.prefetch(slot_of(a), h);
     const float vs = vals.scale(slot, h);
     __m512 vc[4];
-    for (int c = 0; c < 4; ++c) vc[c] = _mm512_loadu_ps(v + 16 * c);
+    vals.load_d64(slot, h, buf, vc);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(p[g * p_stride + j - j0] * vs);
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
@@ -247,25 +304,32 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
       const int64_t rows = n_q * group;  // (query i, head g) pairs, row r = i * group + g
       const int64_t part0 = part_start[b] + (h * splits + c) * rows;
       scores.assign(rows * span, kNegInf);
-      const int64_t* table = bt + b * max_blocks;
+      const Slots slot_of(bt + b * max_blocks, block_size);
       // Pass 1: scores for every (query, head) against every visible key of the split.
       int64_t j = j0;
 #ifdef __AVX512F__
-      // fp32 rows, head size 64: every key of the split 16 at a time, the last block padded with
+      // Rows in place (fp32, fp16, bf16), head size 64: every key of the split 16 at a time, the last block padded with
       // copies of the last key (their scores are dropped). Every lane of scores16_d64 sums in the
       // same order, so a key's score has the same bits wherever it falls in a block: a query's
       // output never depends on the context length's remainder or on other query rows (a decode
       // and the same position inside a verification agree to the bit). A query scores the
       // block's keys it cannot see too: the softmax and pass 2 stop at its last visible key.
-      if constexpr (std::is_same_v<Rows, FloatRows>) {
+      if constexpr (Rows::kInPlace) {
         if (fast) {
+          alignas(64) float wide[16 * 64];  // a 2-byte cache's 16 keys in fp32
           for (; j < j1; j += 16) {
             const int64_t valid = std::min<int64_t>(16, j1 - j);
             const float* key16[16];
             for (int t = 0; t < 16; ++t) {
               const int64_t jt = j + std::min<int64_t>(t, valid - 1), a = j + t + kPrefetchKeys;
-              key16[t] = keys.row(table[jt / block_size] * block_size + jt % block_size, h, nullptr);
-              if (a < j1) keys.prefetch(table[a / block_size] * block_size + a % block_size, h);
+              const auto* key = keys.ptr(slot_of(jt), h);
+              if constexpr (std::is_same_v<typename Rows::elem, float>) {
+                key16[t] = key;
+              } else {  // widened once here, not once per query head
+                for (int c = 0; c < 4; ++c) _mm512_store_ps(wide + t * 64 + 16 * c, load16(key + 16 * c));
+                key16[t] = wide + t * 64;
+              }
+              if (a < j1) keys.prefetch(slot_of(a), h);
             }
             alignas(64) float part[16];
             for (int64_t i = std::max<int64_t>(0, j - first_pos); i < n_q; ++i) {
@@ -281,8 +345,8 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
       }
 #endif
       for (; j < j1; ++j) {
-        const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        if (const int64_t a = j + kPrefetchKeys; a < j1) keys.prefetch(table[a / block_size] * block_size + a % block_size, h);
+        const int64_t slot = slot_of(j);
+        if (const int64_t a = j + kPrefetchKeys; a < j1) keys.prefetch(slot_of(a), h);
         const float* key = keys.row(slot, h, buf.data());
         const float s = fscale * keys.scale(slot, h);
         const int64_t i0 = std::max<int64_t>(0, j - first_pos);  // first query that sees key j
@@ -320,10 +384,10 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
           const float* p = scores.data() + i * group * span;
           float* oi = o + i * group * d;
           switch (group) {
-            case 1: values_d64<1>(vals, table, block_size, h, j0, jend, p, span, oi, buf.data()); break;
-            case 2: values_d64<2>(vals, table, block_size, h, j0, jend, p, span, oi, buf.data()); break;
-            case 3: values_d64<3>(vals, table, block_size, h, j0, jend, p, span, oi, buf.data()); break;
-            default: values_d64<4>(vals, table, block_size, h, j0, jend, p, span, oi, buf.data()); break;
+            case 1: values_d64<1>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
+            case 2: values_d64<2>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
+            case 3: values_d64<3>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
+            default: values_d64<4>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
           }
         }
         continue;
@@ -331,8 +395,8 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
 #endif
       std::fill_n(o, rows * d, 0.f);
       for (int64_t j = j0; j < j1; ++j) {
-        const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        if (const int64_t a = j + kPrefetchKeys; a < j1) vals.prefetch(table[a / block_size] * block_size + a % block_size, h);
+        const int64_t slot = slot_of(j);
+        if (const int64_t a = j + kPrefetchKeys; a < j1) vals.prefetch(slot_of(a), h);
         const float* val = vals.row(slot, h, buf.data());
         const float vs = vals.scale(slot, h);
         const int64_t i0 = std::max<int64_t>(0, j - first_pos);
@@ -367,16 +431,24 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
 
 }  // namespace
 
-// k_cache, v_cache: [num_blocks, block_size, Hkv, D] fp32.
+// k_cache, v_cache: [num_blocks, block_size, Hkv, D], fp32, fp16 or bf16 (both the same).
 void paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor row_start, torch::Tensor q_lens, torch::Tensor ctx_lens,
                            torch::Tensor block_tables, torch::Tensor out, double scale) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "paged_attention_short: fp32 cache only");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dtype &&
+                  (dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16),
+              "paged_attention_short: K and V caches of one dtype, fp32, fp16 or bf16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_short: contiguous cache expected");
   const int64_t hkv = k_cache.size(2), d = k_cache.size(3);
-  const FloatRows keys{k_cache.data_ptr<float>(), hkv, d}, vals{v_cache.data_ptr<float>(), hkv, d};
-  attend(q, keys, vals, hkv, k_cache.size(1), row_start, q_lens, ctx_lens, block_tables, out, scale);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const PlainRows<T> keys{k_cache.data_ptr<T>(), hkv, d}, vals{v_cache.data_ptr<T>(), hkv, d};
+    attend(q, keys, vals, hkv, k_cache.size(1), row_start, q_lens, ctx_lens, block_tables, out, scale);
+  };
+  if (dtype == torch::kFloat32) run(float{});
+  else if (dtype == torch::kFloat16) run(c10::Half{});
+  else run(c10::BFloat16{});
 }
 
 // k_data, v_data: [num_blocks, block_size, Hkv, D] uint8 codes; k_scale, v_scale: [num_blocks,
