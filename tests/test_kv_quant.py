@@ -115,33 +115,50 @@ def test_kernel_matches_sdpa_on_narrow_cache(name, hq, hkv, d, bs, shapes) -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _rounded(x: torch.Tensor, name: str | None) -> torch.Tensor:
-    return x if name is None else x.to(HALF[name]).float()
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def attention_ext(request):
+    """This CPU's build (AVX-512: the 16-key fast path) and the AVX2-only build (the generic
+    per-key loops, what CPUs without AVX-512 run)."""
+    from inferd.kernels.quant_gemm import extension_avx2
+
+    e = extension() if request.param == "native" else extension_avx2()
+    if e is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    return e
 
 
-@pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
 @pytest.mark.parametrize("name", list(HALF))
 @pytest.mark.parametrize("hq,hkv,d,bs,shapes", SHAPES + [(9, 3, 64, 16, [(1, 300), (3, 513), (1, 16)])])
-def test_kernel_on_half_cache_gives_fp32_cache_bits(name, hq, hkv, d, bs, shapes) -> None:
+def test_kernel_on_half_cache_gives_fp32_cache_bits(attention_ext, name, hq, hkv, d, bs, shapes) -> None:
     """fp16 / bf16 widen exactly, so attention over a 2-byte cache equals, bit for bit, attention
-    over an fp32 cache holding the same rounded values (this step's K/V included): the kernel's
-    arithmetic is the fp32 path's (across splits of 256 keys and partial blocks too)."""
+    over an fp32 cache holding the same rounded values: the kernel's arithmetic is the fp32
+    path's (across splits of 256 keys and partial blocks too), in either build."""
     g = torch.Generator().manual_seed(5)
     num_blocks = 80
-    fill = [_rounded(torch.randn(num_blocks * bs, hkv, d, generator=g) * s, name) for s in (3, 1)]
+    fill = [(torch.randn(num_blocks * bs, hkv, d, generator=g) * s).to(HALF[name]) for s in (3, 1)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    slots, t, _, kern, _ = make_groups(shapes, bs, perm, 0)
+    _, t, _, kern, _ = make_groups(shapes, bs, perm, 0)
     q = torch.randn(t, hq, d, generator=g)
-    k, v = (torch.randn(t, hkv, d, generator=g) * s for s in (3, 1))
-    outs = {}
-    for store in (name, None):
-        dtype = HALF[name] if store else torch.float32
-        k_cache, v_cache = torch.zeros(2, num_blocks, bs, hkv, d, dtype=dtype)
-        k_cache.view(-1, hkv, d).copy_(fill[0]), v_cache.view(-1, hkv, d).copy_(fill[1])
-        meta = AttentionMetadata(slots, bs, None, [], kernel_group=kern)
-        step_k, step_v = (k, v) if store else (_rounded(k, name), _rounded(v, name))
-        outs[store] = paged_attention(q, step_k, step_v, k_cache, v_cache, meta, d**-0.5)
-    assert torch.equal(outs[name], outs[None])
+    outs = []
+    for dtype in (HALF[name], torch.float32):
+        k_cache, v_cache = (f.to(dtype).view(num_blocks, bs, hkv, d) for f in fill)
+        out = torch.empty_like(q)
+        attention_ext.paged_attention_short(q, k_cache, v_cache, kern.row_start, kern.q_lens,
+                                            kern.ctx_lens, kern.block_tables, out, d**-0.5)  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kernel_refuses_mixed_or_unknown_cache_dtypes() -> None:
+    ext = extension()
+    if ext is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    q, out = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    meta = (torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), torch.tensor([[0]]))
+    for k, v in ((torch.zeros(1, 1, 1, 8, dtype=torch.float16), torch.zeros(1, 1, 1, 8)),
+                 (torch.zeros(1, 1, 1, 8, dtype=torch.float64),) * 2):  # fmt: skip
+        with pytest.raises(RuntimeError, match="fp32, fp16 or bf16"):
+            ext.paged_attention_short(q, k, v, *meta, out, 1.0)
 
 
 @pytest.mark.parametrize("name", NARROW)
