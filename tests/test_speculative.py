@@ -83,6 +83,19 @@ def reference(tiny_llama_gguf):
     return get
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
+def test_greedy_outputs_identical_on_a_narrow_kv_cache(tiny_llama_gguf, kv_cache_dtype):
+    """Verification rows write and read a 2-byte or quantized cache as plain decodes do (the same
+    rounding, the same kernel bits whatever the row's place in the step): still lossless."""
+    kw = {"max_num_batched_tokens": 64, "kv_cache_dtype": kv_cache_dtype}
+    want = _run(_llm(tiny_llama_gguf.path, **kw))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = _llm(tiny_llama_gguf.path, spec, **kw)
+    assert _run(llm) == want
+    assert llm.engine.get_stats().spec_accepted_tokens > 0
+    llm.engine.check_no_leaks()
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_same", "draft_other"])
 @pytest.mark.parametrize("kv_bytes", [KV, 48 << 10])  # the small pool forces preemption
 def test_greedy_outputs_identical(tiny_llama_gguf, draft_gguf, reference, method, kv_bytes):
