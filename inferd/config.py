@@ -95,11 +95,15 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     # While decodes run, the prefill tokens a step adds are capped at max(this, number of decodes).
     # On a CPU a step costs about its token count, so a 512-token prompt arriving in one chunk
-    # stalls every running stream for many decode steps; chunked, decodes keep flowing. 64 was
-    # measured as the balance (32 streams, 512-token prompts arriving, -q auto, 2 threads): ITL
-    # p99/p50 1.38 / 1.16 / 1.19 / 2.9 at caps 16 / 64 / 128 / 256, with 332 / 446 / 465 / 477
-    # tokens/s and TTFT p50 53 / 22.7 / 5.6 / 1.5 s. 0: no cap (only max_num_batched_tokens).
-    prefill_chunk_with_decodes: int = 64
+    # stalls every running stream for many decode steps; chunked, decodes keep flowing. Measured
+    # (30 Nov, fresh prompts, 32 streams, 512-token prompts arriving, -q auto, 2 threads), caps
+    # 64 / 128 / 256: ITL p99/p50 1.22-1.39 / 1.23-1.25 / 4.2-6.5, TTFT p50 17-18 / 1.4-1.6 /
+    # 1.5 s, ITL p50 125-140 / 234-269 / 80-121 ms, total tok/s about equal (556-718). 256 lets
+    # some steps carry a whole prompt (the spikes); at 128 nearly every step carries one chunk,
+    # so inter-token latency is even, prompts wait 10x less, and each stream decodes ~half as
+    # fast while prompts keep arriving. The 32 x (128 in, 128 out) throughput scenario, fp32:
+    # 555-558 against 467-474 total tok/s at 64. 0: no cap (only max_num_batched_tokens).
+    prefill_chunk_with_decodes: int = 128
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

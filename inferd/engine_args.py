@@ -57,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="largest prefill chunk of one sequence per step")  # fmt: skip
-    g.add_argument("--prefill-chunk-with-decodes", type=int, default=64,
+    g.add_argument("--prefill-chunk-with-decodes", type=int, default=128,
                    help="while decodes run, a step adds at most max(N, number of decodes) prefill "
                         "tokens, so streams keep flowing while prompts arrive; 0: no cap")  # fmt: skip
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

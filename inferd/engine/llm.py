@@ -62,7 +62,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         long_prefill_token_threshold: int | None = None,
-        prefill_chunk_with_decodes: int = 64,
+        prefill_chunk_with_decodes: int = 128,
         chat_template: str | None = None,
         log_stats_interval: float = 0.0,
         structured_output_timeout: float = 30.0,
