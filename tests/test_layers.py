@@ -165,6 +165,14 @@ def test_top_k_top_p_kernel_keeps_what_the_sort_keeps():
     big = torch.randn(8, 49152) * 4
     k8, p8 = torch.zeros(8, dtype=torch.long), torch.full((8,), 0.95)
     _kept_sets_agree(_filter_top_k_top_p(big, k8, p8), _filter_top_k_top_p_sorted(big, k8, p8), big, k8, p8)
+    # Flat rows (too many candidates to sort; their boundary found by value bins): a uniform row
+    # keeps its lowest indices up to top_p of the mass; a near-uniform one agrees with the sort.
+    flat = torch.stack([torch.zeros(49152), torch.randn(49152) * 0.3, torch.randn(49152) * 0.01])
+    kf, pf = torch.zeros(3, dtype=torch.long), torch.tensor([0.95, 0.9, 0.5])
+    got = _filter_top_k_top_p(flat, kf, pf)
+    n = int(0.95 * 49152) + 1  # token j has j / V of the mass before it
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == list(range(n))
+    _kept_sets_agree(got[1:], _filter_top_k_top_p_sorted(flat[1:], kf[1:], pf[1:]), flat[1:], kf[1:], pf[1:])
 
 
 @needs_kernels
