@@ -217,8 +217,8 @@ inline __m512 sum16x16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
 }
 
-// Scores of one query head against 16 keys at once: out[t] = s · q · key[t], t < 16.
-inline void scores16_d64(const float* q, const float* const key[16], float s, float* out) {
+// Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16.
+inline void scores16_d64(const float* q, const float* const key[16], const float* s, float* out) {
   const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
   const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
   __m512 acc[16];
@@ -228,7 +228,22 @@ inline void scores16_d64(const float* q, const float* const key[16], float s, fl
     a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(key[t] + 32), a);
     acc[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(key[t] + 48), a);
   }
-  _mm512_storeu_ps(out, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(s)));
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum16x16(acc), _mm512_loadu_ps(s)));
+}
+
+// A key row as fp32 for scores16_d64: fp32 in place; fp16 / bf16 widened, int8 / fp8 decoded
+// into `buf` (once per key, not once per query head).
+template <class Rows>
+inline const float* fp32_row(const Rows& rows, int64_t slot, int64_t h, float* buf) {
+  if constexpr (!Rows::kInPlace) {
+    return rows.row(slot, h, buf);
+  } else if constexpr (std::is_same_v<typename Rows::elem, float>) {
+    return rows.ptr(slot, h);
+  } else {
+    const auto* p = rows.ptr(slot, h);
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c));
+    return buf;
+  }
 }
 
 // o[g] = Σ_{j in [j0, jend)} p[g][j - j0] · scale_j · V_j for the G rows of one query.
@@ -308,37 +323,32 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
       // Pass 1: scores for every (query, head) against every visible key of the split.
       int64_t j = j0;
 #ifdef __AVX512F__
-      // Rows in place (fp32, fp16, bf16), head size 64: every key of the split 16 at a time, the last block padded with
-      // copies of the last key (their scores are dropped). Every lane of scores16_d64 sums in the
+      // Head size 64 (any cache dtype): every key of the split 16 at a time, the last block padded
+      // with copies of the last key (their scores are dropped). Every lane of scores16_d64 sums in the
       // same order, so a key's score has the same bits wherever it falls in a block: a query's
       // output never depends on the context length's remainder or on other query rows (a decode
       // and the same position inside a verification agree to the bit). A query scores the
       // block's keys it cannot see too: the softmax and pass 2 stop at its last visible key.
-      if constexpr (Rows::kInPlace) {
-        if (fast) {
-          alignas(64) float wide[16 * 64];  // a 2-byte cache's 16 keys in fp32
-          for (; j < j1; j += 16) {
-            const int64_t valid = std::min<int64_t>(16, j1 - j);
-            const float* key16[16];
-            for (int t = 0; t < 16; ++t) {
-              const int64_t jt = j + std::min<int64_t>(t, valid - 1), a = j + t + kPrefetchKeys;
-              const auto* key = keys.ptr(slot_of(jt), h);
-              if constexpr (std::is_same_v<typename Rows::elem, float>) {
-                key16[t] = key;
-              } else {  // widened once here, not once per query head
-                for (int c = 0; c < 4; ++c) _mm512_store_ps(wide + t * 64 + 16 * c, load16(key + 16 * c));
-                key16[t] = wide + t * 64;
-              }
-              if (a < j1) keys.prefetch(slot_of(a), h);
-            }
-            alignas(64) float part[16];
-            for (int64_t i = std::max<int64_t>(0, j - first_pos); i < n_q; ++i) {
-              const float* qrow = qp + ((rs[b] + i) * hq + h * group) * d;
-              for (int64_t g = 0; g < group; ++g) {
-                float* out = scores.data() + (i * group + g) * span + j - j0;
-                scores16_d64(qrow + g * 64, key16, fscale, valid == 16 ? out : part);
-                if (valid < 16) std::copy_n(part, valid, out);
-              }
+      if (fast) {
+        alignas(64) float wide[16 * 64];  // the 16 keys in fp32, where the cache is not
+        alignas(64) float s16[16];  // each key's score multiplier: the softmax scale x its own
+        for (; j < j1; j += 16) {
+          const int64_t valid = std::min<int64_t>(16, j1 - j);
+          const float* key16[16];
+          for (int t = 0; t < 16; ++t) {
+            const int64_t jt = j + std::min<int64_t>(t, valid - 1), a = j + t + kPrefetchKeys;
+            const int64_t slot = slot_of(jt);
+            key16[t] = fp32_row(keys, slot, h, wide + t * 64);
+            s16[t] = fscale * keys.scale(slot, h);
+            if (a < j1) keys.prefetch(slot_of(a), h);
+          }
+          alignas(64) float part[16];
+          for (int64_t i = std::max<int64_t>(0, j - first_pos); i < n_q; ++i) {
+            const float* qrow = qp + ((rs[b] + i) * hq + h * group) * d;
+            for (int64_t g = 0; g < group; ++g) {
+              float* out = scores.data() + (i * group + g) * span + j - j0;
+              scores16_d64(qrow + g * 64, key16, s16, valid == 16 ? out : part);
+              if (valid < 16) std::copy_n(part, valid, out);
             }
           }
         }
