@@ -61,6 +61,9 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
         # A 2-byte cache: the fused step rounds K/V as it writes them as ATen's .to() does.
         ("llama-f32.gguf", "none", "float16"),
         ("llama-mixed.gguf", "auto", "bfloat16"),
+        # A quantized cache: the fused step quantizes with kv_cache.py's ATen ops.
+        ("llama-f32.gguf", "none", "int8"),
+        ("llama-mixed.gguf", "auto", "fp8"),
     ],
 )
 def test_fused_decode_gives_the_python_layers_bits(tiny_models, monkeypatch, name, quantization,

@@ -19,6 +19,7 @@ from torch import nn
 
 from inferd.config import ModelConfig
 from inferd.kernels.quant_gemm import extension as cpu_kernels
+from inferd.kv.kv_cache import QuantizedKV
 from inferd.layers.attention import AttentionMetadata, paged_attention
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
@@ -137,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions)
         kg = meta.kernel_group
         if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
-                and x.dtype == torch.float32 and type(kv_caches[0][0]) is torch.Tensor
+                and x.dtype == torch.float32 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))):  # fmt: skip
             return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
@@ -158,9 +159,17 @@ class LlamaForCausalLM(nn.Module):
         cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
         shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                  cfg.rms_norm_eps, attn.scale, formats.int8_activations_default(ext))  # fmt: skip
+        first = kv_caches[0][0]
+        if isinstance(first, QuantizedKV):  # codes and scales: quantized in C++ as kv_cache.py does
+            quant = ext.QuantizedCaches([kv[0].scale for kv in kv_caches], [kv[1].scale for kv in kv_caches],
+                                        first.fmt.kernel_code, first.fmt.qmax)  # fmt: skip
+            k_caches, v_caches = [kv[0].data for kv in kv_caches], [kv[1].data for kv in kv_caches]
+        else:
+            quant = ext.QuantizedCaches([], [], 0, 0.0)
+            k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
         return ext.decode_layers(
-            x, self._fused_layers, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], rope[0],
-            rope[1], meta.slot_mapping, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape,
+            x, self._fused_layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
+            kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape, quant,
         )  # fmt: skip
 
     def weights_repacked(self) -> None:

@@ -67,6 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   using decoder::LayerWeights;
   using decoder::LinearWeights;
+  using decoder::QuantizedCaches;
   using decoder::Shape;
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
@@ -84,6 +85,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, bool>(), py::arg("n_heads"),
            py::arg("n_kv"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
            py::arg("scale"), py::arg("int8_activations"));
+  py::class_<QuantizedCaches>(m, "QuantizedCaches", py::module_local())
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double>(),
+           py::arg("k_scales"), py::arg("v_scales"), py::arg("code"), py::arg("qmax"));
   // The GIL is released for the whole step: a server's event loop streams meanwhile.
   m.def("decode_layers", &decoder::decode_layers, "every decoder layer of a kernel-group step",
         py::call_guard<py::gil_scoped_release>());

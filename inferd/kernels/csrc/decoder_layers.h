@@ -1,6 +1,7 @@
 // Every decoder layer of a decode step in one call: the Llama layer of inferd/models/llama.py,
 // op for op, for steps whose every query row goes to the paged attention kernel (decodes and
-// speculative verification) over an fp32, fp16 or bf16 KV cache.
+// speculative verification) over any KV cache: fp32, fp16 or bf16, or int8 / fp8 codes with
+// scales (quantized as inferd/kv/kv_cache.py quantizes them, with the same ATen ops).
 //
 // Why: at batch 1 the Python layer loop issued ~25 ATen calls per layer, 30 layers, ~6 ms of a
 // ~20 ms int4 decode step (py-spy); from C++ each call skips the Python binding and argument
@@ -70,6 +71,27 @@ inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, cons
   return l.bias.defined() ? y + l.bias : y;
 }
 
+// A quantized cache's codes and scales (QuantizedKV.data / .scale), per layer; none for a plain
+// cache. `code`: the kernel's format number (0 int8, 1 fp8 e4m3, 2 fp8 e5m2); qmax its largest.
+struct QuantizedCaches {
+  std::vector<torch::Tensor> k_scales, v_scales;
+  int64_t code = 0;
+  double qmax = 0.0;
+};
+
+// QuantizedKV.write (quantize_kv, then the index copies), op for op: the same codes and scales.
+inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scales, const torch::Tensor& slots,
+                            const torch::Tensor& x, int64_t code, double qmax) {
+  const int64_t h = data.size(2), d = data.size(3);
+  const torch::Tensor xf = x.to(torch::kFloat);
+  const torch::Tensor scale = xf.abs().amax(-1) / qmax;
+  torch::Tensor y = (xf / scale.clamp_min(1e-30).unsqueeze(-1)).clamp_(-qmax, qmax);
+  const torch::Tensor codes = code == 0 ? y.round_().to(torch::kChar)
+                                        : y.to(code == 1 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2);
+  data.view({-1, h, d}).index_copy_(0, slots, codes.view(torch::kByte));
+  scales.view({-1, h}).index_copy_(0, slots, scale);
+}
+
 // x [T, hidden] through every layer; the attention metadata is the step's kernel group.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<torch::Tensor>& k_caches,
@@ -77,9 +99,12 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
                             const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
-                            const Shape& s) {
+                            const Shape& s, const QuantizedCaches& quant) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
               "decode_layers: one K and one V cache per layer");
+  const bool quantized = !quant.k_scales.empty();
+  TORCH_CHECK(!quantized || (quant.k_scales.size() == layers.size() && quant.v_scales.size() == layers.size()),
+              "decode_layers: one K and one V scale tensor per layer");
   const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
   // The residual add of each block is fused with the norm after it (exact adds: the same bits as
   // LlamaDecoderLayer's `x + ...` followed by the norm).
@@ -95,12 +120,20 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     torch::Tensor qk = layer_ops::rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
     std::vector<torch::Tensor> q_k = qk.split_with_sizes({s.n_heads, s.n_kv}, 1);
     // paged_attention (inferd/layers/attention.py), kernel group only: K/V into their slots.
-    layer_ops::write_rows(k_caches[i], slot_mapping, q_k[1]);
-    layer_ops::write_rows(v_caches[i], slot_mapping, parts[1].view({t, s.n_kv, s.head_dim}));
+    const torch::Tensor v_rows = parts[1].view({t, s.n_kv, s.head_dim});
     torch::Tensor q = q_k[0].contiguous();
     torch::Tensor o = torch::empty_like(q);
-    paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
-                                      block_tables, o, s.scale);
+    if (quantized) {
+      write_quantized(k_caches[i], quant.k_scales[i], slot_mapping, q_k[1], quant.code, quant.qmax);
+      write_quantized(v_caches[i], quant.v_scales[i], slot_mapping, v_rows, quant.code, quant.qmax);
+      paged_attn::paged_attention_short_quant(q, k_caches[i], v_caches[i], quant.k_scales[i], quant.v_scales[i],
+                                              quant.code, row_start, q_lens, ctx_lens, block_tables, o, s.scale);
+    } else {
+      layer_ops::write_rows(k_caches[i], slot_mapping, q_k[1]);
+      layer_ops::write_rows(v_caches[i], slot_mapping, v_rows);
+      paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
+                                        block_tables, o, s.scale);
+    }
     std::tie(x, h) = layer_ops::add_rms_norm(x, linear(l.o, o.reshape({t, q_size}), s), l.post_norm, s.eps);
     // LlamaMLP.forward
     pending = linear(l.down, layer_ops::silu_mul(linear(l.gate_up, h, s)), s);
