@@ -14,6 +14,10 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "layer_ops.h"
@@ -79,17 +83,50 @@ struct QuantizedCaches {
   double qmax = 0.0;
 };
 
-// QuantizedKV.write (quantize_kv, then the index copies), op for op: the same codes and scales.
+// QuantizedKV.write (kv_cache.quantize_kv, then the index copies) for fp32 rows x [T, H, D] (D
+// contiguous), a head vector at a time: scale = max|x| / qmax, code = round(x / scale) (int8,
+// half to even) or x / scale in fp8 (c10's conversion, which ATen's .to() uses): the same codes
+// and scales, without ATen's ~16 calls per layer.
+template <class Code>
+inline void quantize_head(const float* x, int64_t d, float qmax, uint8_t* codes, float* scale) {
+  float amax = 0.f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::abs(x[e]));
+  const float s = amax / qmax;
+  *scale = s;
+  const float div = std::max(s, 1e-30f);
+  for (int64_t e = 0; e < d; ++e) {
+    const float y = std::min(std::max(x[e] / div, -qmax), qmax);
+    Code c;
+    if constexpr (std::is_same_v<Code, int8_t>) c = static_cast<int8_t>(std::nearbyint(y));
+    else c = Code(y);
+    std::memcpy(codes + e, &c, 1);
+  }
+}
+
 inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scales, const torch::Tensor& slots,
                             const torch::Tensor& x, int64_t code, double qmax) {
-  const int64_t h = data.size(2), d = data.size(3);
-  const torch::Tensor xf = x.to(torch::kFloat);
-  const torch::Tensor scale = xf.abs().amax(-1) / qmax;
-  torch::Tensor y = (xf / scale.clamp_min(1e-30).unsqueeze(-1)).clamp_(-qmax, qmax);
-  const torch::Tensor codes = code == 0 ? y.round_().to(torch::kChar)
-                                        : y.to(code == 1 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2);
-  data.view({-1, h, d}).index_copy_(0, slots, codes.view(torch::kByte));
-  scales.view({-1, h}).index_copy_(0, slots, scale);
+  const int64_t t = x.size(0), h = data.size(2), d = data.size(3);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 && x.size(1) == h && x.size(2) == d &&
+                  slots.scalar_type() == torch::kInt64 && slots.numel() == t && data.is_contiguous() &&
+                  scales.is_contiguous(),
+              "write_quantized: fp32 rows [T, H, D] and int64 slots expected");
+  const int64_t num_slots = data.numel() / (h * d);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  uint8_t* dp = data.data_ptr<uint8_t>();
+  float* scp = scales.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float q = static_cast<float>(qmax);
+  for (int64_t r = 0; r < t; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "write_quantized: slot out of range");
+    for (int64_t j = 0; j < h; ++j) {
+      const float* row = xp + r * x.stride(0) + j * x.stride(1);
+      uint8_t* out = dp + (sp[r] * h + j) * d;
+      float* s = scp + sp[r] * h + j;
+      if (code == 0) quantize_head<int8_t>(row, d, q, out, s);
+      else if (code == 1) quantize_head<c10::Float8_e4m3fn>(row, d, q, out, s);
+      else quantize_head<c10::Float8_e5m2>(row, d, q, out, s);
+    }
+  }
 }
 
 // x [T, hidden] through every layer; the attention metadata is the step's kernel group.
