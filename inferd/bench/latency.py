@@ -25,7 +25,8 @@ from inferd.bench.roofline import (
     matvec_n_for,
     measure_roofline,
 )
-from inferd.engine_args import KV_CACHE_DTYPES, parse_bytes
+from inferd.config import KV_CACHE_DTYPES
+from inferd.engine_args import parse_bytes
 from inferd.kv.kv_cache import kv_bytes_per_token
 
 

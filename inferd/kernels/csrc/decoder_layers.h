@@ -1,7 +1,7 @@
 // Every decoder layer of a decode step in one call: the Llama layer of inferd/models/llama.py,
 // op for op, for steps whose every query row goes to the paged attention kernel (decodes and
 // speculative verification) over any KV cache: fp32, fp16 or bf16, or int8 / fp8 codes with
-// scales (quantized as inferd/kv/kv_cache.py quantizes them, with the same ATen ops).
+// scales (quantized to the same codes and scales as inferd/kv/kv_cache.py's quantize_kv).
 //
 // Why: at batch 1 the Python layer loop issued ~25 ATen calls per layer, 30 layers, ~6 ms of a
 // ~20 ms int4 decode step (py-spy); from C++ each call skips the Python binding and argument

@@ -180,6 +180,10 @@ inline void nucleus_of_flat_row(const float* l, int64_t v, double p, const float
     std::memcpy(&bits, &e, sizeof bits);
     return static_cast<int32_t>(bits >> kValueShift);
   };
+  if (count.size() < static_cast<size_t>(kValueBins)) {  // sized on a thread's first flat row
+    count.resize(kValueBins);
+    mass.resize(kValueBins);
+  }
   const int32_t lo = key(std::max(floor, std::numeric_limits<float>::min())), hi = key(1.f);
   std::fill(count.begin() + lo, count.begin() + hi + 1, 0);
   std::fill(mass.begin() + lo, mass.begin() + hi + 1, 0.0);
@@ -256,8 +260,8 @@ inline torch::Tensor top_k_top_p(const torch::Tensor& logits, const torch::Tenso
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> count(kHistBins);
-    std::vector<double> value_mass(kValueBins);  // nucleus_of_flat_row's bins
-    std::vector<int32_t> value_count(kValueBins);
+    std::vector<double> value_mass;  // nucleus_of_flat_row's bins (peaked rows never touch them)
+    std::vector<int32_t> value_count;
     std::vector<int32_t> bin(v);
     std::vector<float> ev(v);  // exp(logit - max): the mass the bins sum and the walk adds
     std::vector<std::pair<float, int64_t>> cand;  // (logit, index)
