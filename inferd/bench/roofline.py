@@ -3,13 +3,17 @@
 Three ceilings, measured in the model's dtype (gpt-fast style: print what the hardware allows next
 to what was achieved):
 - copy bandwidth: `dst.copy_(src)` over buffers far larger than the caches; bytes read + written.
-- matrix-vector weight bandwidth: a [n, n] @ [n] product, weight bytes / time. This is what
+- matrix-vector weight bandwidth: a [n, n] @ [n] product, weight bytes / time (in fp32 the faster
+  of at::mv and inferd's own streaming kernel, csrc/dense_gemv.h: MKL's reached 26 GB/s on an
+  AVX-512 EPYC where the fp32 decode step read its weights at ~46). This is what
   batch-1 decode does, so it is the bandwidth ceiling decode is judged against. The matrix is as
   large as the weights it stands for (`inferd bench latency` passes the model's bytes per step;
   alone, twice the last-level cache): a fixed 4096² (64 MB) one sat in a 260 MB L3 and read at
   ~49 GB/s, while 538 MB of fp32 weights stream from DRAM at ~30.
 - matmul FLOP/s: a square [n, n] @ [n, n] product, 2·n³ / time: the compute ceiling of prefill
-  and large-batch decode.
+  and large-batch decode. In fp32 the faster of at::mm (MKL) and oneDNN from a packed weight (what
+  inferd's many-row `Linear` runs): on an AVX-512 EPYC MKL reached 218 GFLOP/s and oneDNN ~500, and
+  a ceiling below what the engine itself reaches would flatter it.
 
 Each is the best of several timed repeats (a ceiling is an upper bound; noise only lowers it).
 `StepCost` counts, from the built model, the weight bytes and FLOPs a forward pass needs, so
@@ -28,6 +32,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from inferd.kernels.quant_gemm import extension as cpu_kernels
+from inferd.layers import onednn_linear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +114,15 @@ def measure_roofline(
     n_copy = (copy_mib << 20) // elem
     t_copy = _time_copy(n_copy, dtype, repeats, budget_s)
     t_mv = _time_op(torch.mv, (matvec_n, matvec_n), (matvec_n,), dtype, repeats * 5, budget_s)
+    ext = cpu_kernels() if dtype == torch.float32 else None
+    if ext is not None:
+        t_mv = min(t_mv, _time_op(ext.dense_linear, (1, matvec_n), (matvec_n, matvec_n), dtype,
+                                  repeats * 5, budget_s))  # fmt: skip
     t_mm = _time_op(torch.mm, (matmul_n, matmul_n), (matmul_n, matmul_n), dtype, repeats, budget_s)
+    if dtype == torch.float32 and onednn_linear.available():
+        w = onednn_linear.pack(torch.randn(matmul_n, matmul_n))
+        t_mm = min(t_mm, _time_op(lambda a, _: onednn_linear.linear_packed(a, w), (matmul_n, matmul_n),
+                                  (1,), dtype, repeats, budget_s))  # fmt: skip
     return Roofline(
         dtype=str(dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),

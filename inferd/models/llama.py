@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
             if param.shape != value.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} "
                                  f"!= model shape {tuple(param.shape)}")  # fmt: skip
-            param.data.copy_(value)
+            param.copy_(value)  # (not through .data: the write must bump the version a packed copy checks)
 
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
 
