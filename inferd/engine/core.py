@@ -89,6 +89,11 @@ class EngineCore:
         self.file_type = loaded.file_type
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            logger.warning("--dtype %s on the CPU: inferd's CPU kernels (the fused decode step, the "
+                           "int8 tiles, paged attention) take fp32, so decoding runs on slower "
+                           "per-layer ATen ops; --dtype auto (fp32) decodes faster",
+                           str(self.dtype).removeprefix("torch."))  # fmt: skip
         torch.manual_seed(config.seed)
 
         block_size = config.cache.block_size
