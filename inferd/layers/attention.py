@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import LayerKV, QuantizedKV
 
 
@@ -240,7 +241,19 @@ def paged_attention(
     elif out is None:
         out = torch.empty_like(q)
 
+    # Long chunks: inferd's causal kernel where it runs (fp32 on the CPU, head size 64), ~2x ATen's
+    # CPU flash attention, whose small gemms are MKL's; SDPA elsewhere.
+    ext = cpu_kernels() if meta.prefills and q.is_cpu and q.dtype == torch.float32 and d == 64 else None
     for p in meta.prefills:
+        if ext is not None:
+            if p.mask is None:
+                kp, vp = k[p.start : p.end], v[p.start : p.end]
+            else:
+                n = p.block_table.numel()
+                kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
+                vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
+            ext.prefill_attention(q[p.start : p.end], kp, vp, out[p.start : p.end], scale)
+            continue
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if p.mask is None:
             kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)

@@ -1,5 +1,5 @@
 // inferd's CPU kernels in one extension: the quantized matmuls (quant_gemm.h, int8_dot.h), paged
-// attention for short queries (paged_attention.h) and the decode step's decoder layers
+// attention for short queries (paged_attention.h), prefill chunks' attention (prefill_attention.h) and the decode step's decoder layers
 // (decoder_layers.h), which call the other two directly. One build for all three: the layers'
 // bits must equal what the Python path gets from the same kernels, so both use one compiled copy.
 #include <torch/extension.h>
@@ -8,6 +8,7 @@
 #include "dense_gemv.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "quant_gemm.h"
 #include "sampling_ops.h"
 
@@ -49,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("paged_attention_short", &paged_attn::paged_attention_short,
         "paged attention for short queries (CPU, fp32)");
+  m.def("prefill_attention", &prefill_attn::prefill_attention,
+        "causal attention of a prefill chunk, head size 64: q, out [T, Hq, 64]; k, v [S >= T, Hkv, 64] "
+        "(fp32); query i sees keys [0, S - T + i]",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"));
   m.def("paged_attention_short_quant", &paged_attn::paged_attention_short_quant,
         "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)");
 
