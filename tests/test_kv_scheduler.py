@@ -33,8 +33,9 @@ def test_block_pool_allocate_free_integrity():
     pool.check_integrity({1: 1})
     pool.decref([1])
     pool.check_integrity({})
-    # Freed blocks go to the back of the queue: never-used block 3 comes first.
-    assert pool.allocate(1) == [3]
+    # Freed blocks are reused first, most recently freed first, in the order they were freed;
+    # never-used block 3 waits behind them.
+    assert pool.allocate(4) == [1, 0, 2, 3]
 
 
 def test_allocate_slots_and_slot_mapping():

@@ -16,7 +16,12 @@ class BlockPool:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # FIFO: a freed block goes to the back, so recently freed blocks are reused last.
+        # Freed blocks go to the front and are reused first; blocks never used wait at the back.
+        # (Blocks the prefix cache holds are not on this list, so nothing reusable is lost.) On
+        # the CPU the pool is a lazily zero-filled mapping: a block's first write page-faults
+        # (~2.3 ms per MB in this VM, 40 ms of a 512-token prefill), and its lines leave the
+        # caches the longer it sits free. Reusing the warm blocks keeps a server's touched memory
+        # at its peak use instead of walking through the whole pool once.
         self._free: deque[int] = deque(range(num_blocks))
         # Blocks the prefix cache owns, and how many of them nobody else holds (ref count 1):
         # those are reclaimable by eviction, so they count as available, not as used.
@@ -64,13 +69,15 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> None:
+        freed = []
         for b in blocks:
             assert self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                freed.append(b)
             elif self.ref_counts[b] == 1 and b in self._cached:
                 self.num_cached_only += 1
+        self._free.extendleft(reversed(freed))  # in their order, ahead of the rest
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """free + in-use = total, no block both free and referenced, refs match the owners'."""
