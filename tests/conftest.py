@@ -79,3 +79,15 @@ def tiny_llama_gguf(tiny_models: TinyModels) -> TinyModel:
 def hf_transformers():
     """The `transformers` module (imported once; slow to import); skips when it is missing."""
     return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernel_build(request):
+    """The CPU kernels as built for this CPU (-march=native) and as the AVX2-only build (the
+    baseline CPUs run): kernel tests hold for both."""
+    from inferd.kernels.quant_gemm import extension, extension_avx2
+
+    e = extension() if request.param == "native" else extension_avx2()
+    if e is None:
+        pytest.skip("CPU kernels unavailable here (no compiler or no AVX2)")
+    return e

@@ -12,12 +12,9 @@ from inferd.kernels.quant_gemm import extension, extension_avx2
 from inferd.layers.linear import Linear
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def ext(request):
-    e = extension() if request.param == "native" else extension_avx2()
-    if e is None:
-        pytest.skip("CPU kernels unavailable here (no compiler or no AVX2)")
-    return e
+@pytest.fixture(scope="module")
+def ext(kernel_build):
+    return kernel_build
 
 
 # (N, K): the default model's shapes, then tails: N not a multiple of the rows per pass, K not a

@@ -8,15 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferd.kernels.quant_gemm import extension, extension_avx2
 
-
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def ext(request):
-    e = extension() if request.param == "native" else extension_avx2()
-    if e is None:
-        pytest.skip("CPU kernels unavailable here (no compiler or no AVX2)")
-    return e
+@pytest.fixture(scope="module")
+def ext(kernel_build):
+    return kernel_build
 
 
 def _reference(q, k, v, scale):

@@ -176,6 +176,28 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// s[0, n) := exp(s - m) for m >= max s; returns their sum (8 lanes, then the lanes folded,
+// then the tail in order). Softmax's pass in the attention kernels.
+inline float exp_shift_sum(float* s, int64_t n, float m) {
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  float sum = _mm_cvtss_f32(s4);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
 // silu(g) = g · sigmoid(g), with e = exp(-|g|) <= 1: sigmoid = 1 / (1 + e) for g >= 0, e / (1 + e)
 // below, so the exponential never overflows.
 inline __m256 silu8(__m256 g) {

@@ -47,23 +47,7 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   float m = _mm_cvtss_f32(m4);
   for (; j < n; ++j) m = std::max(m, s[j]);
-  const __m256 vmax = _mm256_set1_ps(m);
-  __m256 vsum = _mm256_setzero_ps();
-  j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = layer_ops::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
-    _mm256_storeu_ps(s + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-  float sum = _mm_cvtss_f32(s4);
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    sum += s[j];
-  }
-  return {m, sum};
+  return {m, layer_ops::exp_shift_sum(s, n, m)};
 }
 
 // A row's cache lines requested ahead of use: one head's rows are strided (a slot holds every kv

@@ -115,23 +115,8 @@ inline void softmax_row(float* s, int nvis, float& m, float& l, float* o) {
   float mx = m;
   for (int j = 0; j < nvis; ++j) mx = std::max(mx, s[j]);
   const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m - mx);
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= nvis; j += 8) {
-    const __m256 e = layer_ops::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
-    _mm256_storeu_ps(s + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum_buf[8];
-  _mm256_storeu_ps(sum_buf, vsum);
-  float sum = 0.f;
-  for (int t = 0; t < 8; ++t) sum += sum_buf[t];
-  for (; j < nvis; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
-  for (; j < kBK; ++j) s[j] = 0.f;
+  const float sum = layer_ops::exp_shift_sum(s, nvis, mx);
+  std::fill(s + nvis, s + kBK, 0.f);
   if (alpha != 1.f) {
     const vec va = vset1(alpha);
     for (int c = 0; c < kDV; ++c) vstore(o + c * kW, vmul(va, vload(o + c * kW)));
