@@ -231,11 +231,33 @@ def test_policy_depth_follows_acceptance_and_cost():
         policy.record(seqs[0], 4, 0)
     assert policy.depths(seqs[:1], batch_size=1)[0] < 4
     short = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=2))
-    assert policy.depths([short], batch_size=1) == [1]  # never more than max_tokens allows
+    fresh_policy = SpecPolicy(4, disable_by_batch_size=8, verify_cost={1: 0.02, 16: 0.5})
+    assert fresh_policy.depths([short], batch_size=1) == [1]  # never more than max_tokens allows
+
+
+def test_policy_starts_new_sequences_at_what_recent_drafts_were_worth():
+    policy = SpecPolicy(3, disable_by_batch_size=None, verify_cost={1: 0.5})
+    first = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
+    assert policy.depths([first], batch_size=1) == [1]  # no evidence yet: the prior (a = 0.7)
+    for _ in range(20):  # other sequences' drafts keep failing (chat at a large batch)
+        policy.record(first, 1, 0)
+    late = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
+    assert policy.depths([late], batch_size=1) == [0]  # waits for a probe instead of verifying
+    cheap = SpecPolicy(3, disable_by_batch_size=None, verify_cost={1: 0.1})
+    for _ in range(20):
+        cheap.record(first, 1, 0)
+    other = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
+    assert cheap.depths([other], batch_size=1)[0] > 0  # drafts nearly free: it tries at the prior
+    for _ in range(60):  # now they are all accepted (a passage being rewritten)
+        policy.record(first, 3, 3)
+    later = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
+    assert policy.depths([later], batch_size=1) == [3]
 
 
 def test_policy_probes_less_as_verification_costs_more():
     assert probe_interval(0.0) == 8 and probe_interval(0.7) == 27 and probe_interval(1.0) == 0
+    # A large batch probes at most once every 4 steps in all: each sequence far less often.
+    assert probe_interval(0.6, batch_size=32) == 128 and probe_interval(0.6, batch_size=2) == 20
     # A sequence whose drafts failed sits at k = 0 and probes one draft every probe_interval steps.
     for cost, every in ((0.1, 9), (0.7, 27), (1.2, 0)):
         policy = SpecPolicy(4, disable_by_batch_size=None, verify_cost={1: cost})
