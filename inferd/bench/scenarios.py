@@ -58,6 +58,12 @@ class Scenario:
     run: Callable[[BenchContext, argparse.Namespace], dict]
 
 
+def _rounded(field: str, value: float) -> float:
+    """A reported figure: seconds to the microsecond (a tiny model's TTFT is under a millisecond
+    on a fast CPU: 3 decimals printed it as 0), the rest to 3 decimals."""
+    return round(value, 6 if field.endswith("_s") else 3)
+
+
 def _ratios(engines: dict[str, dict], key: str, higher_is_better: bool = True) -> dict[str, float]:
     """inferd's figure over each other engine's (or theirs over inferd's for times)."""
     base = engines["inferd"][key]
@@ -106,7 +112,7 @@ def throughput(ctx: BenchContext, a: argparse.Namespace) -> dict:
             f"run {i + 1}: "
             + ", ".join(f"{k} {v[-1]['batch_tps']:.1f} tok/s" for k, v in runs.items())
         )
-    engines = {k: {f: round(med(r[f] for r in v), 3) for f in v[0]} for k, v in runs.items()}
+    engines = {k: {f: _rounded(f, med(r[f] for r in v)) for f in v[0]} for k, v in runs.items()}
     report = {"engines": engines,
               "ratio_single_decode": _ratios(engines, "single_decode_tps"),
               "ratio_batch": _ratios(engines, "batch_tps")}  # fmt: skip
@@ -242,7 +248,7 @@ def shared_prefix(ctx: BenchContext, a: argparse.Namespace) -> dict:
             f"run {i + 1}: "
             + ", ".join(f"{k} mean TTFT {v[-1]['mean_ttft_s']:.2f} s" for k, v in runs.items())
         )
-    engines = {k: {f: (round(med(r[f] for r in v), 3) if v[0][f] is not None else None) for f in v[0]}
+    engines = {k: {f: (_rounded(f, med(r[f] for r in v)) if v[0][f] is not None else None) for f in v[0]}
                for k, v in runs.items()}  # fmt: skip
     report = {"num_requests": n, "prefix_len": a.prefix_len, "suffix_len": a.input_len, "engines": engines,
               "ratio_mean_ttft": _ratios(engines, "mean_ttft_s", higher_is_better=False),
