@@ -245,28 +245,20 @@ def paged_attention(
     # CPU flash attention, whose small gemms are MKL's; SDPA elsewhere.
     ext = cpu_kernels() if meta.prefills and q.is_cpu and q.dtype == torch.float32 and d == 64 else None
     for p in meta.prefills:
+        if p.mask is None:  # no earlier context: the chunk's own keys, plain causal
+            kp, vp = k[p.start : p.end], v[p.start : p.end]
+        else:  # after cached context: every key of the sequence, causal shifted by the context
+            n = p.block_table.numel()
+            kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
+            vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
         if ext is not None:
-            if p.mask is None:
-                kp, vp = k[p.start : p.end], v[p.start : p.end]
-            else:
-                n = p.block_table.numel()
-                kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
-                vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
             ext.prefill_attention(q[p.start : p.end], kp, vp, out[p.start : p.end], scale)
             continue
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         if p.mask is None:
-            kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)  # fmt: skip
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            n = p.block_table.numel()
-            kp = _gather(k_cache, p.block_table, q.dtype).view(1, n * block_size, n_kv, d)[:, : p.context_len]
-            vp = _gather(v_cache, p.block_table, q.dtype).view(1, n * block_size, n_kv, d)[:, : p.context_len]
-            o = F.scaled_dot_product_attention(
-                qp, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=p.mask, scale=scale,
-                enable_gqa=gqa,
-            )  # fmt: skip
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
         out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
     return out

@@ -64,8 +64,7 @@ def probe_interval(cost_per_draft: float, batch_size: int = 1) -> int:
     (At batch 32 on chat, probing every 8 steps cost 9 % of throughput.) Each sequence probing on
     its own clock, a batch of B makes B / interval probes per step, each a verification row and
     its bookkeeping: at most one every 1 / _MAX_PROBES_PER_STEP steps across the batch (at batch 32
-    with cost ~0.6, every 20 steps per sequence was 1.6 probes a step and 0.96x of speculation
-    off on chat, `-q auto`, AVX-512 EPYC)."""
+    with cost ~0.6, every 20 steps per sequence would be 1.6 probes a step)."""
     if cost_per_draft >= 1.0:
         return 0
     own = max(_PROBE_EVERY, round(_PROBE_EVERY / (1.0 - cost_per_draft)))
