@@ -69,6 +69,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # One of KV_CACHE_DTYPES: see inferd/kv/kv_cache.py
     kv_cache_dtype: str = "auto"
+    # Bytes of a lazily mapped CPU pool kept faulted in beyond the blocks handed out so far, on
+    # idle CPU time (inferd/kv/prefault.py); 0: every page faults on its first write.
+    kv_cache_prefault: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -77,6 +80,8 @@ class CacheConfig:
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_prefault < 0:
+            raise ValueError(f"--kv-cache-prefault must be >= 0, got {self.kv_cache_prefault}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         "element (2x the tokens of fp32, half the bytes a decode step reads); int8 / "
                         "fp8 (e4m3) / fp8_e5m2 = one byte per element + a scale per token and head "
                         "(~4x the tokens of fp32)")  # fmt: skip
+    g.add_argument("--kv-cache-prefault", type=parse_bytes, default=1 << 30,
+                   help="CPU: bytes of the KV pool kept faulted in ahead of the blocks in use, on "
+                        "idle CPU time (a page's first write otherwise pays the fault in a step); "
+                        "0 = off (default 1GiB)")  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -86,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_prefault=args.kv_cache_prefault,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -111,6 +111,7 @@ def run_latency(args: argparse.Namespace) -> dict:
               enable_prefix_caching=False, kv_cache_memory=kv_memory,
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = llm.engine
+    engine.runner.wait_kv_prefault()
     cost = engine_step_cost(engine)
     # The matrix-vector ceiling over as many bytes as a step's weights: where they live (a cache
     # or DRAM) sets how fast they can stream.

@@ -47,7 +47,9 @@ class BenchContext:
         from inferd import LLM
 
         kwargs = {**self.llm_kwargs, **overrides}
-        return LLM(loaded=self.loaded, verbose=False, **kwargs).engine
+        engine = LLM(loaded=self.loaded, verbose=False, **kwargs).engine
+        engine.runner.wait_kv_prefault()
+        return engine
 
 
 @dataclass(frozen=True, slots=True)

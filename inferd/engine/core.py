@@ -117,7 +117,8 @@ class EngineCore:
                                 quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
-        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device, kv_cache_dtype=kv_cache_dtype)
+        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device, kv_cache_dtype=kv_cache_dtype,
+                                  kv_cache_prefault=config.cache.kv_cache_prefault)  # fmt: skip
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine

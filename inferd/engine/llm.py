@@ -56,6 +56,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         kv_cache_dtype: str = "auto",
+        kv_cache_prefault: int = 1 << 30,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
@@ -80,7 +81,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),  # fmt: skip
+                              kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_prefault=kv_cache_prefault),  # fmt: skip
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,

@@ -16,6 +16,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
+from inferd.kv.prefault import KVPrefaulter
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
@@ -49,6 +50,11 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def is_lazily_zeroed(data: torch.Tensor) -> bool:
+    """`allocate_kv_cache` mapped this pool without touching it: pages fault on first write."""
+    return data.is_cpu and data.numel() * data.element_size() >= _LAZY_ZERO_BYTES and os.name == "posix"
+
+
 @dataclass(slots=True)
 class StepBatch:
     input_ids: torch.Tensor
@@ -72,6 +78,7 @@ class ModelRunner:
         device: torch.device,
         use_attention_kernel: bool = True,
         kv_cache_dtype: str = "auto",
+        kv_cache_prefault: int = 0,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -80,6 +87,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = kv.block_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_prefault = kv_cache_prefault
+        self.kv_prefaulter: KVPrefaulter | None = None
         self._allocate_kv()
         # The C++ kernel reads K/V in place (fp32 on the CPU); elsewhere gather + SDPA.
         self.attention_kernel = None
@@ -95,6 +104,15 @@ class ModelRunner:
         data = allocate_kv_cache(self.cfg, self.kv.pool.num_blocks, self.block_size, storage, self.device)
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
         self.kv_caches = self.kv_cache.layers()
+        self.kv_prefaulter = None
+        if self.kv_cache_prefault > 0 and is_lazily_zeroed(data):
+            self.kv_prefaulter = KVPrefaulter(data, self.kv_cache_prefault)
+
+    def wait_kv_prefault(self, timeout: float = 120.0) -> None:
+        """Until the pool's first pages are faulted in (`KVPrefaulter`): a benchmark that starts
+        traffic at once would otherwise time page faults that a server pays before its traffic."""
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.wait(timeout)
 
     def release_kv_pages(self) -> None:
         """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it)
@@ -200,6 +218,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
         final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.advance(self.kv.pool.high_water)
         copies = self.kv.take_pending_copies()
         if copies:
             src = self._tensor([s for s, _ in copies])

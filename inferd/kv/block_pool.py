@@ -23,6 +23,9 @@ class BlockPool:
         # caches the longer it sits free. Reusing the warm blocks keeps a server's touched memory
         # at its peak use instead of walking through the whole pool once.
         self._free: deque[int] = deque(range(num_blocks))
+        # Blocks [0, high_water) have been handed out at least once; fresh ones leave in id order,
+        # so the next fresh block is high_water (inferd/kv/prefault.py faults its pages in ahead).
+        self.high_water = 0
         # Blocks the prefix cache owns, and how many of them nobody else holds (ref count 1):
         # those are reclaimable by eviction, so they count as available, not as used.
         self._cached: set[int] = set()
@@ -59,6 +62,8 @@ class BlockPool:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+            if b >= self.high_water:
+                self.high_water = b + 1
         return blocks
 
     def incref(self, blocks: Iterable[int]) -> None:
