@@ -20,6 +20,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+try:  # the client shares the machine with the server it measures: the lighter event loop
+    from uvloop import run as _run_loop
+except ImportError:  # Windows
+    _run_loop = asyncio.run
+
 from inferd.bench.common import stats_ms
 
 
@@ -313,7 +318,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     for c in sweep:
         if args.num_prompts is not None:
             prompts.prepare(args.num_prompts)
-        results, secs = asyncio.run(_run_point(args, model, prompts, c))
+        results, secs = _run_loop(_run_point(args, model, prompts, c))
         points.append(_summarize(args, c, results, secs))
         if points[-1]["completed"] == 0:
             raise BenchServeError(
