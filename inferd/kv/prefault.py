@@ -60,6 +60,7 @@ class KVPrefaulter:
         self._region_bytes = self.num_blocks * self._block_bytes
         self._ahead = max(1, ahead_bytes // (self._block_bytes * self._regions))
         self._chunk = max(1, _CHUNK_BYTES // (self._block_bytes * self._regions))
+        self._step = max(1, min(self._chunk, self._ahead // 4))
         self._data = weakref.ref(data)  # the pool may be replaced or dropped: then the threads end
         self._base = data.data_ptr()
         self._cond = threading.Condition()
@@ -79,9 +80,11 @@ class KVPrefaulter:
         return min(self._done)
 
     def advance(self, high_water: int) -> None:
-        """Blocks below `high_water` have been handed out: keep `ahead` more beyond them ready."""
+        """Blocks below `high_water` have been handed out: keep `ahead` more beyond them ready.
+        The workers are woken once the target has moved by a quarter of `ahead` (or a chunk),
+        not for every block a decode step adds."""
         target = min(self.num_blocks, high_water + self._ahead)
-        if target > self._target:
+        if target >= self._target + self._step or (target == self.num_blocks and target > self._target):
             with self._cond:
                 self._target = target
                 self._cond.notify_all()
