@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -288,7 +289,11 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
     task_start[b + 1] = task_start[b] + hkv * splits;
     part_start[b + 1] = part_start[b] + hkv * splits * ql[b] * group;
   }
-  std::vector<float> part_o(part_start[num_seqs] * d), part_m(part_start[num_seqs]), part_l(part_start[num_seqs]);
+  // (part_o uninitialised: pass 2 writes every row it owns before anything reads it.)
+  std::unique_ptr<float[]> part_o(new float[part_start[num_seqs] * d]);
+  std::vector<float> part_m(part_start[num_seqs]), part_l(part_start[num_seqs]);
+  bool any_split = false;
+  for (int64_t b = 0; b < num_seqs && !any_split; ++b) any_split = cl[b] > kSplitKeys;
 
   at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -370,7 +375,19 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
         part_l[part0 + r] = sum;
       }
       // Pass 2: the split's weighted sum of values, unnormalised.
-      float* o = part_o.data() + part0 * d;
+      float* o = part_o.get() + part0 * d;
+      // A context of one split needs no merge: its rows are normalised into the output here, as
+      // the merge below would do it (0 + o, times 1 / (0 + 1 * sum): the same bits), without the
+      // merge's second parallel region (at batch 1, two regions of a few us per layer).
+      const auto finish_single = [&] {
+        if (splits != 1) return;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* orow = op + ((rs[b] + r / group) * hq + h * group + r % group) * d;
+          const float* src = o + r * d;
+          const float inv = 1.f / part_l[part0 + r];
+          for (int64_t e = 0; e < d; ++e) orow[e] = (0.f + src[e]) * inv;
+        }
+      };
 #ifdef __AVX512F__
       if (fast) {
         for (int64_t i = 0; i < n_q; ++i) {
@@ -384,6 +401,7 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
             default: values_d64<4>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
           }
         }
+        finish_single();
         continue;
       }
 #endif
@@ -396,13 +414,16 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
         const int64_t i0 = std::max<int64_t>(0, j - first_pos);
         for (int64_t r = i0 * group; r < rows; ++r) axpy(o + r * d, val, scores[r * span + j - j0] * vs, d);
       }
+      finish_single();
     }
   });
+  if (!any_split) return;
   // Merge the splits of each (sequence, kv head, row) in split order: weights exp(m_c - max).
   at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / hkv, h = task % hkv, n_q = ql[b], rows = n_q * group;
       const int64_t splits = (cl[b] + kSplitKeys - 1) / kSplitKeys;
+      if (splits == 1) continue;  // written by its task already
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / group, g = r % group;
         float* orow = op + ((rs[b] + i) * hq + h * group + g) * d;
@@ -414,7 +435,7 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
           const int64_t part = part_start[b] + (h * splits + c) * rows + r;
           const float w = std::exp(part_m[part] - m);  // 0 for a split the row sees nothing of
           sum += w * part_l[part];
-          axpy(orow, part_o.data() + part * d, w, d);
+          axpy(orow, part_o.get() + part * d, w, d);
         }
         const float inv = 1.f / sum;
         for (int64_t e = 0; e < d; ++e) orow[e] *= inv;
