@@ -7,6 +7,7 @@ every generation request, so an orchestrator can route traffic by the health pro
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -55,6 +56,9 @@ def build_app(
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
     engine.observer = metrics
     state = ServerState(engine, served_model_names, metrics, max_log_len, log_requests)
+    # Set once the startup line is logged: /health says 200 only then, so whatever waits for it
+    # (a supervisor, a test) finds the line (on uvloop the health request could run first).
+    started = threading.Event()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,6 +74,7 @@ def build_app(
                 return
             if on_ready is not None:
                 on_ready(engine)
+            started.set()
 
         task = asyncio.create_task(announce())
         try:
@@ -119,8 +124,10 @@ def build_app(
     @app.get("/health", response_model=None)
     @api_errors
     async def health() -> Response:
-        if engine.ready:
+        if engine.ready and started.is_set():
             return Response(status_code=200)
+        if engine.ready:
+            return error_response(APIError(503, "the model is still loading; retry shortly", code="model_loading"))
         try:
             state.ready_engine()
         except APIError as e:
