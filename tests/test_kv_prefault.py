@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import threading
 import time
 
 import pytest
 import torch
 
+from inferd.config import ModelConfig
 from inferd.engine.model_runner import allocate_kv_cache, is_lazily_zeroed
 from inferd.kv.block_pool import BlockPool
 from inferd.kv.prefault import KVPrefaulter
 
+_CFG = ModelConfig(architecture="llama", vocab_size=32, hidden_size=512, intermediate_size=1024, num_layers=4,
+                   num_heads=8, num_kv_heads=8, head_dim=64)  # fmt: skip
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
@@ -33,8 +35,8 @@ def _resident_fraction(t: torch.Tensor) -> float:
 def _pool() -> torch.Tensor:
     """[layers, 2, blocks, block_size, heads, dim] fp32, 4 x 2 x 512 x 16 x 8 x 64 = 128 MiB: a
     lazily zeroed mapping, as an engine's pool."""
-    data = torch.empty(4, 2, 512, 16, 8, 64)
-    assert is_lazily_zeroed(data)
+    data = allocate_kv_cache(_CFG, 512, 16, torch.float32, torch.device("cpu"))
+    assert is_lazily_zeroed(data) and data.shape == (4, 2, 512, 16, 8, 64)
     return data
 
 
@@ -88,8 +90,8 @@ def test_the_thread_ends_when_the_pool_is_dropped():
     data = _pool()
     p = _prefaulter(data, ahead_blocks=8)
     assert p.wait(30)
-    mine = [t for t in threading.enumerate() if t.name == "inferd-kv-prefault"]
-    assert mine
+    mine = p.threads
+    assert mine and all(t.is_alive() for t in mine)
     del data
     deadline = time.monotonic() + 10
     while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
@@ -145,9 +147,17 @@ def test_prefault_off_and_small_pools_have_no_thread(tiny_llama_gguf):
 
 
 def test_allocate_kv_cache_small_pools_come_zeroed():
-    from inferd.config import ModelConfig
-
-    cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+    cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
     data = allocate_kv_cache(cfg, 8, 16, torch.float32, torch.device("cpu"))
     assert not is_lazily_zeroed(data) and torch.count_nonzero(data) == 0
+
+
+def test_a_large_pool_is_fresh_zero_pages_even_after_the_heap_held_garbage():
+    """Freed heap memory, NaN-filled, big enough for the pool: malloc would hand it back (its
+    mmap threshold is 32 MiB, but a free chunk that fits comes first), resident and not zero."""
+    junk = [torch.full((4 << 20,), float("nan")) for _ in range(40)]  # 40 x 16 MiB on the heap
+    del junk
+    data = _pool()
+    assert _resident_fraction(data) == 0.0
+    assert torch.count_nonzero(data) == 0

@@ -9,6 +9,7 @@ of logits: row i is the target's distribution after draft i (row 0: after the la
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -16,17 +17,17 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
-from inferd.kv.prefault import KVPrefaulter
 from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
-# Allocations this large come from fresh anonymous mmap on Linux (above glibc's mmap threshold,
-# which importing inferd fixes at 32 MiB), which the kernel fills with zeros lazily; torch.zeros would touch every page up front (7 s for
-# 4 GiB here). Smaller ones, and any CUDA pool, are zeroed explicitly: attention reads padded,
-# masked slots, and 0 × NaN from garbage memory would poison the output.
+# Allocations this large come from a fresh anonymous mmap on Linux, which the kernel fills with
+# zeros lazily; torch.zeros would touch every page up front (7 s for 4 GiB here). Smaller ones,
+# and any CUDA pool, are zeroed explicitly: attention reads padded, masked slots, and 0 × NaN
+# from garbage memory would poison the output.
 _LAZY_ZERO_BYTES = 64 << 20
 
 # Queries up to this long (short prompts and chunks) share one padded attention call; longer
@@ -46,7 +47,10 @@ def allocate_kv_cache(
     shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES and os.name == "posix":
-        return torch.empty(shape, dtype=dtype, device=device)
+        # A mapping of its own, not torch.empty: malloc maps a large block afresh only when no
+        # freed heap chunk fits, and a long-lived process (a test run making many engines) got a
+        # recycled one, already resident and not zero. The tensor keeps the mapping alive.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -70,9 +70,10 @@ class KVPrefaulter:
         n = workers or min(4, os.cpu_count() or 1, self._regions)
         # Worker w faults in the regions r with r % n == w; blocks [0, _done[w]) of them are in.
         self._done = [0] * n
-        if self.enabled:
-            for w in range(n):
-                threading.Thread(target=self._run, args=(w,), name="inferd-kv-prefault", daemon=True).start()
+        self.threads = [threading.Thread(target=self._run, args=(w,), name="inferd-kv-prefault", daemon=True)
+                        for w in range(n if self.enabled else 0)]  # fmt: skip
+        for t in self.threads:
+            t.start()
 
     @property
     def done(self) -> int:
