@@ -11,8 +11,9 @@ GiB of the pool faulted in beforehand (a 2,048-token chunk's K/V copy took 3 ms 
 How: fresh blocks leave the pool in ascending id order (inferd/kv/block_pool.py), so the pages the
 engine writes next belong to the blocks just above the highest id handed out so far. Daemon
 threads at SCHED_IDLE priority (one per CPU, up to 4: faults on two CPUs went 2x as fast, 0.17
-against 0.33 ms per MB) keep `ahead_bytes` of those faulted in with madvise(MADV_POPULATE_WRITE). That maps pages without writing to them: it is safe while the engine
-writes the same blocks, and memory keeps its contents (zero, or what the engine wrote). At
+against 0.33 ms per MB) keep `ahead_bytes` of those faulted in with madvise(MADV_POPULATE_WRITE).
+That maps pages without writing to them: it is safe while the engine writes the same blocks, and
+memory keeps its contents (zero, or what the engine wrote). At
 SCHED_IDLE it runs only where a CPU would otherwise idle (while a server waits for requests,
 between a step's parallel regions), so it does not slow steps down; a page it has not reached
 yet faults on first write as before. Needs Linux >= 5.14; elsewhere it does nothing.
