@@ -161,3 +161,17 @@ def test_a_large_pool_is_fresh_zero_pages_even_after_the_heap_held_garbage():
     data = _pool()
     assert _resident_fraction(data) == 0.0
     assert torch.count_nonzero(data) == 0
+
+
+def test_kv_cache_prefault_flag():
+    import argparse
+
+    from inferd.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).cache.kv_cache_prefault == 1 << 30
+    assert engine_config_from_args(parser.parse_args(["--kv-cache-prefault", "256MiB"])).cache.kv_cache_prefault == 256 << 20
+    assert engine_config_from_args(parser.parse_args(["--kv-cache-prefault", "0"])).cache.kv_cache_prefault == 0
+    with pytest.raises(SystemExit):  # not a size: argparse's one-line error
+        parser.parse_args(["--kv-cache-prefault", "-1"])
