@@ -67,9 +67,9 @@ def test_pages_ahead_of_the_high_water_mark_are_faulted_in_and_nothing_beyond():
     assert _resident_fraction(data[3, 1, 256:384]) == 0.0
     # Small moves wait until they add up to a quarter of `ahead` (16 blocks): no wake-up per block.
     p.advance(110)
-    assert p._target == 164
+    assert p.target == 164
     p.advance(120)
-    assert p._target == 184
+    assert p.target == 184
     p.advance(500)  # capped at the pool's end
     assert p.wait(30) and p.done == 512
 
@@ -120,7 +120,7 @@ def test_engine_prefaults_its_pool_and_follows_allocation(tiny_llama_gguf):
     assert p is not None
     if not p.enabled:
         pytest.skip("madvise(MADV_POPULATE_WRITE) is not available (Linux < 5.14)")
-    first_target = p._target
+    first_target = p.target
     assert 0 < first_target < p.num_blocks
     prompts = [{"prompt_token_ids": list(range(3, 3 + 200 + 7 * i))} for i in range(6)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
@@ -128,9 +128,9 @@ def test_engine_prefaults_its_pool_and_follows_allocation(tiny_llama_gguf):
     high = llm.engine.kv.pool.high_water
     assert high > 0
     # The target follows the high-water mark, in steps of at most a quarter of `ahead`.
-    assert high + first_target - first_target // 4 <= p._target <= min(p.num_blocks, high + first_target)
+    assert high + first_target - first_target // 4 <= p.target <= min(p.num_blocks, high + first_target)
     runner.wait_kv_prefault(30)
-    assert p.done == p._target
+    assert p.done == p.target
     data = runner.kv_cache.data
     assert _resident_fraction(data[0, 0, high + 1 : p.done - 1]) == 1.0
 

@@ -46,7 +46,7 @@ def allocate_kv_cache(
     """[layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim]"""
     shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES and os.name == "posix":
+    if _maps_lazily(nbytes, device):
         # A mapping of its own, not torch.empty: malloc maps a large block afresh only when no
         # freed heap chunk fits, and a long-lived process (a test run making many engines) got a
         # recycled one, already resident and not zero. The tensor keeps the mapping alive.
@@ -54,9 +54,13 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _maps_lazily(nbytes: int, device: torch.device) -> bool:
+    return device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES and os.name == "posix"
+
+
 def is_lazily_zeroed(data: torch.Tensor) -> bool:
     """`allocate_kv_cache` mapped this pool without touching it: pages fault on first write."""
-    return data.is_cpu and data.numel() * data.element_size() >= _LAZY_ZERO_BYTES and os.name == "posix"
+    return _maps_lazily(data.numel() * data.element_size(), data.device)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,11 @@ class KVPrefaulter:
             t.start()
 
     @property
+    def target(self) -> int:
+        """Blocks [0, target) are to be faulted in (the high-water mark + `ahead`, in steps)."""
+        return self._target
+
+    @property
     def done(self) -> int:
         """Blocks [0, done) are faulted in, in every layer."""
         return min(self._done)

@@ -31,7 +31,7 @@ from inferd.server.protocol import (
     TokenizeResponse,
 )
 from inferd.server.serving_chat import create_chat_completion, render_chat
-from inferd.server.serving_common import ServerState, encode
+from inferd.server.serving_common import ServerState, encode, model_loading_error
 from inferd.server.serving_completions import create_completion
 
 logger = logging.getLogger("inferd.server")
@@ -127,7 +127,7 @@ def build_app(
         if engine.ready and started.is_set():
             return Response(status_code=200)
         if engine.ready:
-            return error_response(APIError(503, "the model is still loading; retry shortly", code="model_loading"))
+            return error_response(model_loading_error())  # the startup line is not out yet
         try:
             state.ready_engine()
         except APIError as e:

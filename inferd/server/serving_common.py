@@ -31,6 +31,10 @@ MAX_N = 128  # OpenAI's own limit on `n`; also bounds the sequences one request 
 _INT64 = 2**63  # seeds and top_k end up in int64 tensors / torch.Generator
 
 
+def model_loading_error() -> APIError:
+    return APIError(503, "the model is still loading; retry shortly", code="model_loading")
+
+
 @dataclass(slots=True)
 class ServerState:
     engine: AsyncEngine
@@ -65,7 +69,7 @@ class ServerState:
                 )
             if self.engine.dead_reason is not None:
                 raise APIError(503, f"{self.engine.dead_reason}; restart the server", code="engine_dead")
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading")
+            raise model_loading_error()
         return self.engine
 
     @property
