@@ -3,15 +3,25 @@
 //
 // Why not at::linear: at 4-8 rows MKL's sgemm streamed the default model's 538 MB of fp32
 // weights at ~10-13 GB/s (30 layers of distinct weights: 49 / 58 ms per pass at 4 / 8 rows, against
-// 29 / 31 ms here; a batch-8 fp32 decode step went from 63-68 ms to 38-48). Here each thread walks
-// its own contiguous range of output rows, R at a time, prefetching two passes ahead. At one row
-// both stream at ~25 GB/s.
+// 29 / 31 ms here; a batch-8 fp32 decode step went from 63-68 ms to 38-48).
 //
-// Numerics: each (row, output) is one 8-lane accumulator over k in order, a fixed tree, then the
-// K % 8 tail in order: the same bits whatever the row count, the thread split or the rows beside
-// it. Both the Python `Linear` and the fused decode step (decoder_layers.h) call this, so both
-// paths agree; from kMaxRows + 1 to dense_gemm::kMaxRows rows both take dense_gemm.h, above that
-// at::linear.
+// Each thread walks its own contiguous range of output rows one weight row at a time, so its reads
+// are a single sequential stream, which the hardware prefetcher follows at the full read rate
+// (the default model's rows are short, 576 floats: reading several rows side by side, as this
+// kernel did before, made several streams 2.3 KB apart and ran ~10-15 % slower, even with software
+// prefetches). The rows of x (at most 8 x 6 KB) stay in L1; a weight row is read from memory for the
+// first block of x rows and from L1 for the others. Streaming the default model's 538 MB (every
+// layer's weights and the LM head, each read once) took 1.15-1.3x less time than the earlier kernel
+// at 1 row, 1.15-1.5x at 3, 1.03-1.26x at 4, 1.15x at 6, and 0.9-1.0x at 8, where both are bound by
+// the FMAs (the runs alternated, 30 Nov).
+//
+// Numerics: each (row, output) is a dot product in one fixed order: two 16-lane accumulators over
+// the 32-float pieces of k (lanes 0-15 and 16-31), then the 16-float piece left if any, added
+// together, the 16 lanes summed by a fixed tree, then the K % 16 tail in order. The same bits
+// whatever the row count, the thread split, the rows beside it or the build (AVX-512: one
+// register per 16 lanes; AVX2: two). Both the Python `Linear` and the fused decode step
+// (decoder_layers.h) call this, so both paths agree; from kMaxRows + 1 to dense_gemm::kMaxRows rows
+// both take dense_gemm.h, above that at::linear.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,7 +37,37 @@
 namespace dense {
 
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kPrefetchPasses = 2;
+// How far ahead of the row being read the weights are prefetched (4 KB, into the next rows of the
+// thread's range): with 8 rows of x the loop's FMAs leave the stream too few loads in flight, and
+// without it an 8-row pass ran ~2x slower; at one row it is worth ~5 %.
+constexpr int64_t kPrefetchFloats = 1024;
+
+// 16 fp32 lanes: one AVX-512 register, or two AVX2 registers computing the same lanes.
+#ifdef __AVX512F__
+struct V16 {
+  __m512 v;
+};
+inline V16 v16_zero() { return {_mm512_setzero_ps()}; }
+inline V16 v16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 v16_fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 v16_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline __m256 v16_fold(V16 a) {  // lanes i + (i + 8)
+  return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+}
+constexpr int kRowBlock = 8;  // x rows per pass over a weight row: 2 x 8 accumulators of 32
+#else
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 v16_fma(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 v16_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline __m256 v16_fold(V16 a) { return _mm256_add_ps(a.lo, a.hi); }
+constexpr int kRowBlock = 2;  // 2 x 2 accumulators of two registers each, of 16
+#endif
 
 inline float hsum8(__m256 acc) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -36,44 +76,54 @@ inline float hsum8(__m256 acc) {
   return _mm_cvtss_f32(s);
 }
 
-// y[m, n] for n in [n0, n1), m < M; R output rows per pass (their loads interleave: more
-// memory-level parallelism for one thread).
-template <int M, int R>
-inline void rows_pass(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n,
-                      const float* bias, float* y, int64_t ldy) {
-  __m256 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+// y[m, n] for MB rows of x (m0 .. m0 + MB) and one weight row n.
+template <int MB>
+inline void row_dots(const float* x, int64_t ldx, const float* wr, int64_t K, float* y,
+                     int64_t ldy, float bias, bool has_bias) {
+  V16 a0[MB], a1[MB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) a0[m] = a1[m] = v16_zero();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if ((k & 15) == 0)  // one line per row every 16 floats, kPrefetchPasses passes ahead
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + R * kPrefetchPasses) * K + k),
-                     _MM_HINT_T0);
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + (n + r) * K + k);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchFloats), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchFloats + 16), _MM_HINT_T0);
+    const V16 w0 = v16_load(wr + k), w1 = v16_load(wr + k + 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      a0[m] = v16_fma(v16_load(x + m * ldx + k), w0, a0[m]);
+      a1[m] = v16_fma(v16_load(x + m * ldx + k + 16), w1, a1[m]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* wr = w + (n + r) * K;
-    for (int m = 0; m < M; ++m) {
-      float s = hsum8(acc[r][m]);
-      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * ldx + kk], wr[kk], s);
-      y[m * ldy + n + r] = bias != nullptr ? s + bias[n + r] : s;
-    }
+  const bool piece = k + 16 <= K;  // one 16-float piece left: into the first accumulator
+  if (piece) {
+    const V16 w0 = v16_load(wr + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) a0[m] = v16_fma(v16_load(x + m * ldx + k), w0, a0[m]);
+    k += 16;
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    float s = hsum8(v16_fold(v16_add(a0[m], a1[m])));
+    for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * ldx + kk], wr[kk], s);
+    y[m * ldy] = has_bias ? s + bias : s;
   }
 }
 
-template <int M>
-inline void rows_range(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n0,
-                       int64_t n1, const float* bias, float* y, int64_t ldy) {
-  constexpr int R = M <= 2 ? 4 : 2;  // accumulators R·M within the register file
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) rows_pass<M, R>(x, ldx, w, K, n, bias, y, ldy);
-  for (; n < n1; ++n) rows_pass<M, 1>(x, ldx, w, K, n, bias, y, ldy);
+// y[:, n0 .. n1) for all M rows of x.
+inline void rows_range(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K,
+                       int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    const float b = bias != nullptr ? bias[n] : 0.f;
+    int64_t m = 0;
+    const bool hb = bias != nullptr;
+    if constexpr (kRowBlock >= 8)
+      for (; m + 8 <= M; m += 8) row_dots<8>(x + m * ldx, ldx, wr, K, y + m * ldy + n, ldy, b, hb);
+    if constexpr (kRowBlock >= 4)
+      for (; m + 4 <= M; m += 4) row_dots<4>(x + m * ldx, ldx, wr, K, y + m * ldy + n, ldy, b, hb);
+    for (; m + 2 <= M; m += 2) row_dots<2>(x + m * ldx, ldx, wr, K, y + m * ldy + n, ldy, b, hb);
+    for (; m < M; ++m) row_dots<1>(x + m * ldx, ldx, wr, K, y + m * ldy + n, ldy, b, hb);
+  }
 }
 
 // x [M, K] (rows contiguous), w [N, K] contiguous, bias [N] or undefined; all fp32 on the CPU.
@@ -100,16 +150,7 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, cons
   // calling thread instead of paying for a parallel region.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: rows_range<1>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 2: rows_range<2>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 3: rows_range<3>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 4: rows_range<4>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 5: rows_range<5>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 6: rows_range<6>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      case 7: rows_range<7>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-      default: rows_range<8>(xp, ldx, wp, K, n0, n1, bp, yp, N); break;
-    }
+    rows_range(xp, ldx, M, wp, K, n0, n1, bp, yp, N);
   });
   return y;
 }
