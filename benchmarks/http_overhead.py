@@ -1,8 +1,8 @@
 """Single-stream decode through HTTP against the offline API, interleaved round by round.
 
-    python benchmarks/http_overhead.py [--rounds 8] [--threads 2] [-- SERVE_ARGS...]
+    python benchmarks/http_overhead.py [--rounds 8] [--threads 2] [-q auto|none|int8] [-- SERVE_ARGS...]
 
-Starts `inferd serve -q auto` (plus SERVE_ARGS, e.g. `--no-engine-process`), then alternates one
+Starts `inferd serve -q Q` (default `auto`, the GGUF as shipped; plus SERVE_ARGS, e.g. `--no-engine-process`), then alternates one
 offline run (`inferd bench latency`: the median decode step) with one HTTP run (`inferd bench
 serve --concurrency 1`: the median time per output token) while the other side sits idle. On a
 shared machine the speed drifts by tens of percent within minutes, so only rounds taken side by
@@ -37,7 +37,7 @@ CLI = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING"]
 
 def _offline_step_ms(args: argparse.Namespace) -> float:
     out = subprocess.run(
-        [*CLI, "bench", "latency", "-q", "auto", "--threads", str(args.threads), "--runs", "1",
+        [*CLI, "bench", "latency", "-q", args.quantization, "--threads", str(args.threads), "--runs", "1",
          "--peers", "", "--input-len", str(args.input_len), "--output-len", str(args.output_len)],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("-q", "--quantization", default="auto", help="both sides' weights (default: auto)")
     p.add_argument("--requests", type=int, default=3, help="HTTP requests per round")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = [*CLI, "serve", "-q", "auto", "--port", str(port), "--disable-log-requests",
+    serve = [*CLI, "serve", "-q", args.quantization, "--port", str(port), "--disable-log-requests",
              *args.serve_args]  # fmt: skip
     server = subprocess.Popen(
         serve, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}

@@ -72,3 +72,40 @@ def test_wrong_base_url_is_a_clear_error(capsys) -> None:
     assert main(["bench", "serve", "--base-url", url, "--num-prompts", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot reach the server" in err and url in err
+
+
+def test_sse_payloads_from_awkward_chunks() -> None:
+    """The client splits SSE events itself: events cut anywhere by the network, CRLF line
+    endings (as some servers send), comment lines, and a last event without its blank line."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from inferd.bench.serve import _sse_data
+
+    pieces = [b'data: {"a"', b": 1}\r\n\r\n: keep-alive\r\n\r\ndata: ", b'{"b": 2}\n', b"\ndata: [DO", b"NE]"]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in pieces:  # each its own write, a pause between: the client reads them apart
+            await response.write(piece)
+            await asyncio.sleep(0.02)
+        await response.write_eof()
+        return response
+
+    async def run() -> list[bytes]:
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
+                return [data async for data in _sse_data(r.content)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]

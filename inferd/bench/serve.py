@@ -14,6 +14,7 @@ import random
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,25 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, from whatever bytes each read brings.
+
+    Reading whole chunks and splitting them here takes the client 0.13 instead of 0.15 ms of CPU
+    per streamed token (aiohttp's line iterator: two lines per event). The client shares the
+    machine with the server it measures, so its CPU is the server's loss."""
+    pending = b""
+    async for chunk in content.iter_any():
+        pending = (pending + chunk).replace(b"\r\n", b"\n")  # either line ending
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+    for line in pending.split(b"\n"):  # a body that does not end with a blank line
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
 async def _send(
     session: aiohttp.ClientSession, url: str, endpoint: str, model: str, p: Prompt, ignore_eos: bool
 ) -> RequestResult:
@@ -76,10 +96,7 @@ async def _send(
                 body = (await r.read()).decode(errors="replace")
                 res.error = f"HTTP {r.status}: {body[:200]}"
                 return res
-            async for raw in r.content:  # one SSE line at a time
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
+            async for data in _sse_data(r.content):
                 if data == b"[DONE]":
                     break
                 msg = json.loads(data)
