@@ -326,6 +326,31 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
         EagleHead.load(path, target)
 
 
+def test_int8_head_on_an_fp32_target_ranks_its_draft_vocab_in_int8(tiny_models, tmp_path) -> None:
+    """The engine's head (int8 linears) over an fp32 target keeps the draft vocabulary's rows of
+    the LM head in int8 too (in fp32 they were most of a draft step): drafts stay in the subset
+    and nearly always are the token the fp32 rows rank first."""
+    from inferd import LLM
+    from inferd.layers.quantized_linear import QuantizedLinear
+    from inferd.spec import draft_vocab
+
+    target = LLM(str(tiny_models["llama-f32.gguf"].path), kv_cache_memory=4 << 20, verbose=False).engine.runner.model
+    assert target.lm_head.weight.dtype == torch.float32
+    torch.manual_seed(0)
+    path = EagleHead.for_target(target).save(tmp_path / "head")
+    v, h = target.config.vocab_size, target.config.hidden_size
+    ids = torch.randperm(v, generator=torch.Generator().manual_seed(2))[:150].sort().values
+    draft_vocab.save(path, ids)
+    head = EagleHead.load(path, target, quantize=True)
+    assert isinstance(head._draft_vocab[1], QuantizedLinear)
+    assert not isinstance(EagleHead.load(path, target)._draft_vocab[1], QuantizedLinear)  # fp32 head: fp32 rows
+    features = torch.randn(400, h, generator=torch.Generator().manual_seed(3))
+    got = head.greedy(features)
+    fp32 = ids[(features @ target.lm_head.weight[ids].T).argmax(-1)]
+    assert torch.isin(got, ids).all()
+    assert (got == fp32).float().mean().item() > 0.9
+
+
 def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     from inferd.spec.train_eagle import EagleRecipe, train_eagle
 

@@ -250,6 +250,14 @@ class EagleHead(nn.Module):
             # The engine's packed tiles where the rows take them (int8 / int4 blocks on the CPU):
             # the row layout ran at a third of their speed, the largest part of a draft step.
             rows: nn.Module = QuantizedLinear(pack_tiles(picked) or picked)
+        elif isinstance(self.fc, QuantizedLinear) and lm_head.weight.dtype == torch.float32:
+            # An fp32 target under an int8 head (`for_inference(quantize=True)`): its rows in int8
+            # too. In fp32 they were 38 MB a draft, over half of a k = 3 chain's 5.5 ms; drafts
+            # only rank the tokens, and verification still scores the target's own fp32 logits.
+            from inferd.quantization.formats import pack_tiles, quantize_int8
+
+            q = quantize_int8(lm_head.weight.detach()[ids.to(lm_head.weight.device)].float())
+            rows = QuantizedLinear(pack_tiles(q) or q)
         else:
             rows = nn.Linear(lm_head.weight.shape[1], len(ids), bias=False, device=lm_head.weight.device,
                              dtype=lm_head.weight.dtype).requires_grad_(False)  # fmt: skip
