@@ -11,9 +11,9 @@
 // kernel did before, made several streams 2.3 KB apart and ran ~10-15 % slower, even with software
 // prefetches). The rows of x (at most 8 x 6 KB) stay in L1; a weight row is read from memory for the
 // first block of x rows and from L1 for the others. Streaming the default model's 538 MB (every
-// layer's weights and the LM head, each read once) took 1.15-1.3x less time than the earlier kernel
-// at 1 row, 1.15-1.5x at 3, 1.03-1.26x at 4, 1.15x at 6, and 0.9-1.0x at 8, where both are bound by
-// the FMAs (the runs alternated, 30 Nov).
+// layer's weights and the LM head, each read once), runs alternated with the earlier kernel (30
+// Nov): 1.15-1.3x as fast at 1 row, 1.15-1.5x at 3, 1.03-1.26x at 4, 1.15x at 6, 0.9-1.0x at 8,
+// where both are bound by the FMAs.
 //
 // Numerics: each (row, output) is a dot product in one fixed order: two 16-lane accumulators over
 // the 32-float pieces of k (lanes 0-15 and 16-31), then the 16-float piece left if any, added
@@ -66,7 +66,7 @@ inline V16 v16_fma(V16 a, V16 b, V16 c) {
 }
 inline V16 v16_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline __m256 v16_fold(V16 a) { return _mm256_add_ps(a.lo, a.hi); }
-constexpr int kRowBlock = 2;  // 2 x 2 accumulators of two registers each, of 16
+constexpr int kRowBlock = 2;  // 2 x 2 accumulators of two registers each: 8 of the 16
 #endif
 
 inline float hsum8(__m256 acc) {
