@@ -185,12 +185,14 @@ class RequestStream:
     Closing it before the request finished (client gone, generator closed) aborts the request.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine, interval: int = 1) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.finished = False
         self.scheduled = False  # set by the loop when the engine first schedules the request
+        self._interval = interval  # tokens per update after the first (`--stream-interval`)
+        self._started = False  # an update went out: the first always does at once (TTFT)
 
     def _put(self, update: RequestUpdate) -> None:
         self._queue.put_nowait(update)
@@ -202,6 +204,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         update = await self._queue.get()
+        if self._started:
+            # Hold the news back until `interval` tokens came (or the end): fewer, larger SSE
+            # chunks, less front-end and client CPU per token.
+            while not update.finished and update.num_new_tokens < self._interval:
+                update = update.then(await self._queue.get())
+        self._started = True
         if update.finished:
             self.finished = True
         if update.error is not None:
@@ -226,6 +234,8 @@ class AsyncEngine:
     must survive cloudpickle, and `engine` stays None); otherwise it runs on a thread.
     `bind_cpus` (with a process) binds the engine's OpenMP threads from the first core and moves
     this whole process to the last CPU: for a process that only serves HTTP (`inferd serve`).
+    `stream_interval` (SGLang's `--stream-interval`): a request's stream yields its first update
+    at once, then waits until each update brings that many tokens (or the request ends).
     """
 
     def __init__(
@@ -236,8 +246,12 @@ class AsyncEngine:
         observer: EngineObserver | None = None,
         engine_process: bool = False,
         bind_cpus: bool = False,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.max_queue_len = max_queue_len
+        self.stream_interval = stream_interval
         self.observer = observer
         self._backend: EngineBackend
         if engine_process:
@@ -327,7 +341,7 @@ class AsyncEngine:
             )
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, self.stream_interval)
         self._streams[request_id] = stream
         self._accepting[request_id] = accepted
         self._num_unscheduled += 1

@@ -82,6 +82,24 @@ class RequestUpdate:
     def finished(self) -> bool:
         return self.output is not None or self.error is not None
 
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the update brings to its furthest output (outputs advance together)."""
+        return max((len(d.new_token_ids) for d in self.deltas), default=0)
+
+    def then(self, later: RequestUpdate) -> RequestUpdate:
+        """This update followed by `later`, as one: each output's tokens, text and logprobs
+        joined, the finish (and final output or error) of the later."""
+        deltas = {d.index: d for d in self.deltas}
+        for d in later.deltas:
+            first = deltas.get(d.index)
+            deltas[d.index] = d if first is None else SequenceDelta(
+                d.request_id, d.index, first.new_token_ids + d.new_token_ids,
+                first.text_delta + d.text_delta, d.finish_reason, d.stop_reason,
+                first.new_logprobs + d.new_logprobs,
+            )  # fmt: skip
+        return RequestUpdate(list(deltas.values()), later.time, later.output, later.error)
+
 
 @dataclass(slots=True)
 class FinishedRequest:
