@@ -6,25 +6,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
-from test_server_utils import MODEL, SMALL_ENGINE, RemoteServer
+from test_server_utils import MODEL, SMALL_ENGINE, RemoteServer, metric
 
 from inferd.cli import main
 
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    srv = RemoteServer(*SMALL_ENGINE, "--stream-interval", "4")
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+# The engine loop holds the news back, in its own process (the default) or on a thread.
+@pytest.fixture(scope="module", params=["--engine-process", "--no-engine-process"])
+def server(request) -> Iterator[RemoteServer]:
+    srv = RemoteServer(*SMALL_ENGINE, "--stream-interval", "4", request.param)
+    yield srv
     srv.close()
 
 
-def test_completion_chunks_hold_four_tokens_after_the_first(client: openai.OpenAI) -> None:
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _generated(server: RemoteServer) -> float:
+    return metric(httpx.get(f"{server.url}/metrics").text, "inferd:generation_tokens_total")
+
+
+def test_completion_chunks_hold_four_tokens_after_the_first(client: openai.OpenAI, server: RemoteServer) -> None:
     kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 1}
     full = client.completions.create(**kw)
+    before = _generated(server)
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     with_text = [c for c in chunks if c.choices]
     # 10 tokens: the first alone, then 4, 4 and the remaining 1 with the finish.
@@ -36,6 +48,7 @@ def test_completion_chunks_hold_four_tokens_after_the_first(client: openai.OpenA
     )
     assert [c.choices[0].finish_reason for c in with_text] == [None, None, None, "length"]
     assert chunks[-1].usage.completion_tokens == 10
+    assert _generated(server) == before + 10  # the held steps' metrics arrive too
 
 
 def test_chat_n2_streams_each_choice_in_chunks(client: openai.OpenAI) -> None:

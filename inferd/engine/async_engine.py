@@ -110,8 +110,9 @@ class ThreadBackend:
     """The engine loop on a thread of this process. Commands wait in an inbox the loop drains at
     the top of each iteration; messages reach the asyncio loop by `call_soon_threadsafe`."""
 
-    def __init__(self, engine_factory: Callable[[], EngineCore]) -> None:
+    def __init__(self, engine_factory: Callable[[], EngineCore], stream_interval: int = 1) -> None:
         self._factory = engine_factory
+        self._stream_interval = stream_interval
         self.core: EngineCore | None = None  # read-only outside the engine thread
         self._cv = threading.Condition()  # guards the inbox; wakes the idle engine thread
         self._inbox: deque[Command] = deque()
@@ -164,7 +165,7 @@ class ThreadBackend:
             self._deliver(Loaded(None, None, e))
             return
         self.core = core
-        engine_loop = EngineLoop(core, self._deliver)
+        engine_loop = EngineLoop(core, self._deliver, self._stream_interval)
         freeze_heap()
         self._deliver(Loaded(info, engine_loop.stats))
         try:
@@ -185,14 +186,12 @@ class RequestStream:
     Closing it before the request finished (client gone, generator closed) aborts the request.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine, interval: int = 1) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.finished = False
         self.scheduled = False  # set by the loop when the engine first schedules the request
-        self._interval = interval  # tokens per update after the first (`--stream-interval`)
-        self._started = False  # an update went out: the first always does at once (TTFT)
 
     def _put(self, update: RequestUpdate) -> None:
         self._queue.put_nowait(update)
@@ -204,12 +203,6 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         update = await self._queue.get()
-        if self._started:
-            # Hold the news back until `interval` tokens came (or the end): fewer, larger SSE
-            # chunks, less front-end and client CPU per token.
-            while not update.finished and update.num_new_tokens < self._interval:
-                update = update.then(await self._queue.get())
-        self._started = True
         if update.finished:
             self.finished = True
         if update.error is not None:
@@ -234,8 +227,8 @@ class AsyncEngine:
     must survive cloudpickle, and `engine` stays None); otherwise it runs on a thread.
     `bind_cpus` (with a process) binds the engine's OpenMP threads from the first core and moves
     this whole process to the last CPU: for a process that only serves HTTP (`inferd serve`).
-    `stream_interval` (SGLang's `--stream-interval`): a request's stream yields its first update
-    at once, then waits until each update brings that many tokens (or the request ends).
+    `stream_interval` (SGLang's `--stream-interval`): the engine loop sends a request's first
+    tokens at once, then holds its news until they bring that many tokens (or the request ends).
     """
 
     def __init__(
@@ -251,15 +244,14 @@ class AsyncEngine:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.max_queue_len = max_queue_len
-        self.stream_interval = stream_interval
         self.observer = observer
         self._backend: EngineBackend
         if engine_process:
             from inferd.engine.engine_proc import ProcessBackend
 
-            self._backend = ProcessBackend(engine_factory, bind_cpus)
+            self._backend = ProcessBackend(engine_factory, bind_cpus, stream_interval)
         else:
-            self._backend = ThreadBackend(engine_factory)
+            self._backend = ThreadBackend(engine_factory, stream_interval)
         self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
@@ -341,7 +333,7 @@ class AsyncEngine:
             )
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
-        stream = RequestStream(request_id, self, self.stream_interval)
+        stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._accepting[request_id] = accepted
         self._num_unscheduled += 1

@@ -185,12 +185,15 @@ class ProcessBackend:
 
     core: EngineCore | None = None  # never in this process
 
-    def __init__(self, engine_factory: Callable[[], EngineCore], bind_cpus: bool = False) -> None:
+    def __init__(
+        self, engine_factory: Callable[[], EngineCore], bind_cpus: bool = False, stream_interval: int = 1
+    ) -> None:
         # Pickled now, so a factory that cannot travel fails where it is built, not at start-up.
         self._factory_blob = cloudpickle.dumps(engine_factory)
         # Binding moves this whole process to one CPU: right for `inferd serve`, whose process
         # is the front end; wrong for a library caller (a test suite ran 2x slower after it).
         self._bind = bind_cpus
+        self._stream_interval = stream_interval
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None  # our ends of the two pipes
         self._messages: Connection | None = None
@@ -203,7 +206,8 @@ class ProcessBackend:
         self._messages, messages_out = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=serve_engine,
-            args=(self._factory_blob, commands_in, messages_out, logging.getLogger().getEffectiveLevel()),
+            args=(self._factory_blob, commands_in, messages_out, logging.getLogger().getEffectiveLevel(),
+                  self._stream_interval),
             name="inferd-engine",
             daemon=True,  # killed with the server if it exits without a shutdown
         )  # fmt: skip
@@ -283,7 +287,8 @@ class ProcessBackend:
 
 
 def serve_engine(
-    factory_blob: bytes, commands: Connection, messages: Connection, log_level: int
+    factory_blob: bytes, commands: Connection, messages: Connection, log_level: int,
+    stream_interval: int = 1,
 ) -> None:
     """The engine process's main: build the engine, then run its loop until told to stop."""
     from inferd.cli import configure_logging
@@ -339,7 +344,7 @@ def serve_engine(
         logging.getLogger("inferd.async_engine").exception("engine failed to load")
         emit(Loaded(None, None, _picklable_error(e)))
         return
-    engine_loop = EngineLoop(core, emit)
+    engine_loop = EngineLoop(core, emit, stream_interval)
     freeze_heap()
     emit(Loaded(info, engine_loop.stats))
     engine_loop.run(take)
