@@ -1,11 +1,11 @@
 """Single-stream decode through HTTP against the offline API, interleaved round by round.
 
-    python benchmarks/http_overhead.py [--rounds 8] [--threads 2] [-q auto|none|int8] [-- SERVE_ARGS...]
+    python benchmarks/http_overhead.py [--rounds 8] [--threads 2] [-q Q] [-- SERVE_ARGS...]
 
-Starts `inferd serve -q Q` (default `auto`, the GGUF as shipped; plus SERVE_ARGS, e.g. `--no-engine-process`), then alternates one
-offline run (`inferd bench latency`: the median decode step) with one HTTP run (`inferd bench
-serve --concurrency 1`: the median time per output token) while the other side sits idle. On a
-shared machine the speed drifts by tens of percent within minutes, so only rounds taken side by
+Starts `inferd serve -q Q` (default `auto`: the GGUF as shipped; plus SERVE_ARGS, e.g.
+`--no-engine-process`), then alternates one offline run (`inferd bench latency`: the median
+decode step) with one HTTP run (`inferd bench serve --concurrency 1`: the median time per output
+token) while the other side sits idle. On a shared machine the speed drifts by tens of percent within minutes, so only rounds taken side by
 side are compared: the result is the ratio of the medians (tokens/s through HTTP over tokens/s
 offline) and the median of the per-round ratios. Prints one JSON line.
 
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("-q", "--quantization", default="auto", help="both sides' weights (default: auto)")
+    p.add_argument(
+        "-q", "--quantization", default="auto", help="both sides' weights (default: auto)"
+    )
     p.add_argument("--requests", type=int, default=3, help="HTTP requests per round")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

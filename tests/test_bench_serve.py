@@ -84,7 +84,13 @@ def test_sse_payloads_from_awkward_chunks() -> None:
 
     from inferd.bench.serve import _sse_data
 
-    pieces = [b'data: {"a"', b": 1}\r\n\r\n: keep-alive\r\n\r\ndata: ", b'{"b": 2}\n', b"\ndata: [DO", b"NE]"]
+    pieces = [
+        b'data: {"a"',
+        b": 1}\r\n\r\n: keep-alive\r\n\r\ndata: ",
+        b'{"b": 2}\n',
+        b"\ndata: [DO",
+        b"NE]",
+    ]
 
     async def handler(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -103,7 +109,10 @@ def test_sse_payloads_from_awkward_chunks() -> None:
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}/") as r,
+            ):
                 return [data async for data in _sse_data(r.content)]
         finally:
             await runner.cleanup()

@@ -334,7 +334,8 @@ def test_int8_head_on_an_fp32_target_ranks_its_draft_vocab_in_int8(tiny_models, 
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.spec import draft_vocab
 
-    target = LLM(str(tiny_models["llama-f32.gguf"].path), kv_cache_memory=4 << 20, verbose=False).engine.runner.model
+    llm = LLM(str(tiny_models["llama-f32.gguf"].path), kv_cache_memory=4 << 20, verbose=False)
+    target = llm.engine.runner.model
     assert target.lm_head.weight.dtype == torch.float32
     torch.manual_seed(0)
     path = EagleHead.for_target(target).save(tmp_path / "head")
@@ -343,7 +344,8 @@ def test_int8_head_on_an_fp32_target_ranks_its_draft_vocab_in_int8(tiny_models, 
     draft_vocab.save(path, ids)
     head = EagleHead.load(path, target, quantize=True)
     assert isinstance(head._draft_vocab[1], QuantizedLinear)
-    assert not isinstance(EagleHead.load(path, target)._draft_vocab[1], QuantizedLinear)  # fp32 head: fp32 rows
+    fp32_head = EagleHead.load(path, target)
+    assert not isinstance(fp32_head._draft_vocab[1], QuantizedLinear)  # its rows stay fp32
     features = torch.randn(400, h, generator=torch.Generator().manual_seed(3))
     got = head.greedy(features)
     fp32 = ids[(features @ target.lm_head.weight[ids].T).argmax(-1)]

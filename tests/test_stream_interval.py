@@ -33,19 +33,23 @@ def _generated(server: RemoteServer) -> float:
     return metric(httpx.get(f"{server.url}/metrics").text, "inferd:generation_tokens_total")
 
 
-def test_completion_chunks_hold_four_tokens_after_the_first(client: openai.OpenAI, server: RemoteServer) -> None:
+def test_completion_chunks_hold_four_tokens_after_the_first(
+    client: openai.OpenAI, server: RemoteServer
+) -> None:
     kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 1}
     full = client.completions.create(**kw)
     before = _generated(server)
-    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     with_text = [c for c in chunks if c.choices]
     # 10 tokens: the first alone, then 4, 4 and the remaining 1 with the finish.
     assert [len(c.choices[0].logprobs.tokens) for c in with_text] == [1, 4, 4, 1]
     assert "".join(c.choices[0].text for c in with_text) == full.choices[0].text
-    assert sum((c.choices[0].logprobs.tokens for c in with_text), []) == full.choices[0].logprobs.tokens
-    assert sum((c.choices[0].logprobs.token_logprobs for c in with_text), []) == pytest.approx(
-        full.choices[0].logprobs.token_logprobs
-    )
+    tokens = [t for c in with_text for t in c.choices[0].logprobs.tokens]
+    assert tokens == full.choices[0].logprobs.tokens
+    token_logprobs = [lp for c in with_text for lp in c.choices[0].logprobs.token_logprobs]
+    assert token_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs)
     assert [c.choices[0].finish_reason for c in with_text] == [None, None, None, "length"]
     assert chunks[-1].usage.completion_tokens == 10
     assert _generated(server) == before + 10  # the held steps' metrics arrive too

@@ -224,7 +224,9 @@ class EngineLoop:
     ends; a step whose news is all held sends nothing (its metrics ride with the next message).
     Fewer messages and SSE chunks: less front-end and client CPU per token."""
 
-    def __init__(self, core: EngineCore, emit: Callable[[Message], None], stream_interval: int = 1) -> None:
+    def __init__(
+        self, core: EngineCore, emit: Callable[[Message], None], stream_interval: int = 1
+    ) -> None:
         self.core = core
         self.emit = emit
         self.stats = dataclasses.replace(core.get_stats())

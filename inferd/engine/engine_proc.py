@@ -186,7 +186,10 @@ class ProcessBackend:
     core: EngineCore | None = None  # never in this process
 
     def __init__(
-        self, engine_factory: Callable[[], EngineCore], bind_cpus: bool = False, stream_interval: int = 1
+        self,
+        engine_factory: Callable[[], EngineCore],
+        bind_cpus: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         # Pickled now, so a factory that cannot travel fails where it is built, not at start-up.
         self._factory_blob = cloudpickle.dumps(engine_factory)
@@ -206,8 +209,8 @@ class ProcessBackend:
         self._messages, messages_out = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=serve_engine,
-            args=(self._factory_blob, commands_in, messages_out, logging.getLogger().getEffectiveLevel(),
-                  self._stream_interval),
+            args=(self._factory_blob, commands_in, messages_out,
+                  logging.getLogger().getEffectiveLevel(), self._stream_interval),
             name="inferd-engine",
             daemon=True,  # killed with the server if it exits without a shutdown
         )  # fmt: skip
@@ -287,7 +290,10 @@ class ProcessBackend:
 
 
 def serve_engine(
-    factory_blob: bytes, commands: Connection, messages: Connection, log_level: int,
+    factory_blob: bytes,
+    commands: Connection,
+    messages: Connection,
+    log_level: int,
     stream_interval: int = 1,
 ) -> None:
     """The engine process's main: build the engine, then run its loop until told to stop."""

@@ -60,8 +60,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--stream-interval",
         type=_at_least_one,
         default=1,
-        help="tokens per streamed chunk after the first, which always goes at once (SGLang's flag): "
-        "fewer, larger chunks cost the server and its clients less CPU per token",
+        help="tokens per streamed chunk after the first, which always goes at once (SGLang's "
+        "flag): fewer, larger chunks cost the server and its clients less CPU per token",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
