@@ -315,10 +315,16 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        stream: bool = True,
     ) -> RequestStream:
         """Submit a request and wait until the engine accepted it (a structured-output request:
-        once its grammar compiled, on a worker thread of the engine).
+        once its grammar compiled, on a worker thread of the engine). `stream=False`: the
+        caller reads only the final output; the engine sends no news for it before the end.
 
         Raises `RequestError` (a ValueError) if the engine refuses it, `QueueFullError` if the
         waiting queue is full, `EngineNotReadyError`/`EngineDeadError` when there is no engine.
@@ -333,12 +339,12 @@ class AsyncEngine:
             )
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
+        updates = RequestStream(request_id, self)
+        self._streams[request_id] = updates
         self._accepting[request_id] = accepted
         self._num_unscheduled += 1
         self._backend.send(
-            AddRequest(request_id, prompt, params, priority, time.monotonic())
+            AddRequest(request_id, prompt, params, priority, time.monotonic(), stream=stream)
         )
         try:
             await accepted
@@ -346,12 +352,12 @@ class AsyncEngine:
             # Refused, or the caller was cancelled while waiting: forget (and abort) the request.
             if self._accepting.get(request_id) is accepted:
                 del self._accepting[request_id]
-            if self._streams.pop(request_id, None) is stream:
-                self._mark_scheduled(stream)
-            stream.finished = True
+            if self._streams.pop(request_id, None) is updates:
+                self._mark_scheduled(updates)
+            updates.finished = True
             self._backend.send(AbortRequest(request_id))
             raise
-        return stream
+        return updates
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0

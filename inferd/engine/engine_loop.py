@@ -33,6 +33,8 @@ logger = logging.getLogger("inferd.async_engine")
 
 # While a grammar compiles and nothing else runs, look for it this often (seconds).
 _COMPILE_POLL_S = 0.002
+# Held news (stream_interval, stream=False requests): a step's metrics wait at most this long.
+_REPORT_EVERY_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -185,6 +187,7 @@ class AddRequest:
     params: SamplingParams
     priority: int
     arrival_time: float
+    stream: bool = True  # False: its client wants the final output only (no news per step)
 
 
 @dataclass(slots=True)
@@ -221,7 +224,10 @@ class EngineLoop:
 
     `stream_interval` > 1 (`inferd serve --stream-interval`, SGLang's flag): a request's first
     tokens go out at once, then its news is held until it brings that many tokens or the request
-    ends; a step whose news is all held sends nothing (its metrics ride with the next message).
+    ends; a step whose news is all held sends nothing (its metrics ride with the next message,
+    at least every `_REPORT_EVERY_S`). A request added with `stream=False` has its news held
+    until it ends (as SGLang does): its client only reads the final output, and the front end
+    no longer wakes on every step for it (~5 % of a batch-1 `-q auto` step, measured).
     Fewer messages and SSE chunks: less front-end and client CPU per token."""
 
     def __init__(
@@ -239,6 +245,8 @@ class EngineLoop:
         self._held: dict[str, RequestUpdate] = {}  # news not sent yet, by request
         self._held_report: StepReport | None = None  # metrics of steps that sent nothing
         self._streaming: set[str] = set()  # requests whose first tokens went out
+        self._final_only: set[str] = set()  # requests added with stream=False
+        self._last_step_sent = time.monotonic()
 
     def run(self, take: Callable[[float | None], list[Command] | None]) -> None:
         """Serve until `take` says stop. `take(timeout)` returns the commands that arrived,
@@ -284,11 +292,12 @@ class EngineLoop:
             return
         self.stats = dataclasses.replace(core.get_stats())
         report.stats = self.stats
-        if self._interval > 1:
+        if self._interval > 1 or self._final_only or self._held_report is not None:
             ready = self._hold(updates, scheduled, report)
             if ready is None:
                 return
             updates, report = ready
+        self._last_step_sent = time.monotonic()
         self.emit(StepDone(updates, scheduled, report))
 
     def _hold(
@@ -303,7 +312,10 @@ class EngineLoop:
                 update = held.then(update)
             if update.finished:
                 self._streaming.discard(rid)
-            elif rid in self._streaming and update.num_new_tokens < self._interval:
+                self._final_only.discard(rid)
+            elif rid in self._final_only or (
+                rid in self._streaming and update.num_new_tokens < self._interval
+            ):
                 self._held[rid] = update
                 continue
             elif update.num_new_tokens:
@@ -312,7 +324,8 @@ class EngineLoop:
         if self._held_report is not None:
             report = self._held_report.then(report)
             self._held_report = None
-        if not (ready or scheduled or report.finished):
+        quiet_for = time.monotonic() - self._last_step_sent
+        if not (ready or scheduled or report.finished) and quiet_for < _REPORT_EVERY_S:
             self._held_report = report
             return None
         return ready, report
@@ -339,6 +352,7 @@ class EngineLoop:
             self._unscheduled.discard(cmd.request_id)
             self._held.pop(cmd.request_id, None)  # its client is gone
             self._streaming.discard(cmd.request_id)
+            self._final_only.discard(cmd.request_id)
             if cmd.request_id not in core.requests:
                 return  # finished (or refused) before the abort arrived
             partial = core.request_output(cmd.request_id)
@@ -377,6 +391,8 @@ class EngineLoop:
             return
         self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
         self._unscheduled.add(cmd.request_id)
+        if not cmd.stream:
+            self._final_only.add(cmd.request_id)
         accepted.append((cmd.request_id, None))
 
     # ---- the step -------------------------------------------------------------------------
@@ -433,6 +449,7 @@ class EngineLoop:
         self._unscheduled.clear()
         self._held.clear()  # the error ends those streams
         self._streaming.clear()
+        self._final_only.clear()
         if updates is None and out:
             self.emit(StepDone(out, [], None))
 

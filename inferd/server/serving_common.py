@@ -227,10 +227,12 @@ async def add_requests(
     params: SamplingParams,
     priority: int,
     texts: list[str] | None = None,
+    stream: bool = True,
 ) -> list[RequestStream]:
     """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted).
 
     `texts`: the prompts as the user wrote them, for the request log (ids are logged otherwise).
+    `stream=False`: the response is built from the final outputs only.
     """
     engine = state.ready_engine()
     streams: list[RequestStream] = []
@@ -238,10 +240,10 @@ async def add_requests(
         for i, ids in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             state.log_request(rid, texts[i] if texts else ids, params)
-            streams.append(await engine.add_request(rid, ids, params, priority))
+            streams.append(await engine.add_request(rid, ids, params, priority, stream))
     except BaseException as e:
-        for stream in streams:
-            stream.close()
+        for accepted in streams:
+            accepted.close()
         if isinstance(e, Exception):
             raise to_api_error(e, user_input=False) from e
         raise

@@ -100,7 +100,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     request_id = random_id("cmpl")
     created = now_s()
     texts = [req.prompt] if isinstance(req.prompt, str) else None
-    streams = await add_requests(state, request_id, prompts, params, req.priority, texts)
+    streams = await add_requests(
+        state, request_id, prompts, params, req.priority, texts, stream=bool(req.stream)
+    )
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
