@@ -303,8 +303,8 @@ class EngineLoop:
     def _hold(
         self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport
     ) -> tuple[dict[str, RequestUpdate], StepReport] | None:
-        """`stream_interval`: what of this step's news (and the news held so far) goes out now;
-        None when nothing does."""
+        """What of this step's news (and the news held so far) goes out now under
+        `stream_interval` and `stream=False`; None when nothing does."""
         ready: dict[str, RequestUpdate] = {}
         for rid, update in updates.items():
             held = self._held.pop(rid, None)

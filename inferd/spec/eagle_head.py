@@ -42,6 +42,16 @@ from torch import nn
 from inferd.sampling.sampler import argmax_rows
 from inferd.spec import draft_vocab
 
+
+def _int8_linear(weight: torch.Tensor) -> nn.Module:
+    """An fp32 CPU weight [N, K] as an int8 linear (per output channel; the engine's packed
+    tiles where the CPU takes them): what the engine's draft steps run."""
+    from inferd.layers.quantized_linear import QuantizedLinear
+    from inferd.quantization.formats import pack_tiles, quantize_int8
+
+    q = quantize_int8(weight)
+    return QuantizedLinear(pack_tiles(q) or q)
+
 FORMAT = "inferd-eagle-head"
 ARCHITECTURE = "fc-attn-v1"
 WEIGHTS_FILE = "model.safetensors"
@@ -250,18 +260,17 @@ class EagleHead(nn.Module):
             # The engine's packed tiles where the rows take them (int8 / int4 blocks on the CPU):
             # the row layout ran at a third of their speed, the largest part of a draft step.
             rows: nn.Module = QuantizedLinear(pack_tiles(picked) or picked)
-        elif isinstance(self.fc, QuantizedLinear) and lm_head.weight.dtype == torch.float32:
-            # An fp32 target under an int8 head (`for_inference(quantize=True)`): its rows in int8
-            # too. In fp32 they were 38 MB a draft, over half of a k = 3 chain's 5.5 ms; drafts
-            # only rank the tokens, and verification still scores the target's own fp32 logits.
-            from inferd.quantization.formats import pack_tiles, quantize_int8
-
-            q = quantize_int8(lm_head.weight.detach()[ids.to(lm_head.weight.device)].float())
-            rows = QuantizedLinear(pack_tiles(q) or q)
         else:
-            rows = nn.Linear(lm_head.weight.shape[1], len(ids), bias=False, device=lm_head.weight.device,
-                             dtype=lm_head.weight.dtype).requires_grad_(False)  # fmt: skip
-            rows.weight.copy_(lm_head.weight.detach()[ids.to(lm_head.weight.device)])
+            picked = lm_head.weight.detach()[ids.to(lm_head.weight.device)]
+            if isinstance(self.fc, QuantizedLinear) and picked.dtype == torch.float32:
+                # An fp32 target under an int8 head (`for_inference(quantize=True)`): its rows in
+                # int8 too. In fp32 they were 38 MB a draft, over half of a k = 3 chain's 5.5 ms;
+                # drafts only rank the tokens, verification scores the target's own fp32 logits.
+                rows = _int8_linear(picked)
+            else:
+                rows = nn.Linear(picked.shape[1], len(ids), bias=False, device=picked.device,
+                                 dtype=picked.dtype).requires_grad_(False)  # fmt: skip
+                rows.weight.copy_(picked)
         self.__dict__["_draft_vocab"] = (ids.to(self.target.norm.weight.device), rows)
         return self
 
@@ -286,8 +295,6 @@ class EagleHead(nn.Module):
         most of its time, and the chain runs it k times per target step."""
         from inferd.layers.linear import Linear
         from inferd.layers.norm import RMSNorm
-        from inferd.layers.quantized_linear import QuantizedLinear
-        from inferd.quantization.formats import pack_tiles, quantize_int8
 
         for name, module in list(self.named_children()):
             if isinstance(module, nn.RMSNorm):
@@ -297,8 +304,7 @@ class EagleHead(nn.Module):
             elif isinstance(module, nn.Linear):
                 w = module.weight.data
                 if quantize and w.is_cpu:
-                    q = quantize_int8(w)
-                    setattr(self, name, QuantizedLinear(pack_tiles(q) or q))
+                    setattr(self, name, _int8_linear(w))
                 else:
                     lin = Linear(w.shape[1], w.shape[0]).to(w.device)
                     lin.weight.data = w
