@@ -147,6 +147,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # draft_model only: its weights' --quantization (default: the target's).
     quantization: str | None = None
+    # eagle only: the head's top-`draft_topk` tokens at each depth are verified; the first
+    # continues the chain, the others are leaves of a draft tree (greedy requests only). The
+    # policy verifies leaves only while they pay for their rows (inferd.spec.policy).
+    draft_topk: int = 1
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -169,6 +173,11 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             bad(f"disable_by_batch_size must be an integer >= 1, got {b!r}")
+        t = self.draft_topk
+        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 8:
+            bad(f"draft_topk must be an integer in [1, 8], got {t!r}")
+        if t > 1 and self.method != "eagle":
+            bad(f'draft_topk > 1 needs method "eagle", got {self.method!r}')
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
             bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
 

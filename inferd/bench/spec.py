@@ -91,9 +91,10 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
         if args.draft_model:
             configs.append((f"draft k={k}", {"method": "draft_model", "model": args.draft_model,
                                              "num_speculative_tokens": k}))  # fmt: skip
-        if args.eagle:
-            configs.append((f"eagle k={k}", {"method": "eagle", "model": args.eagle,
-                                             "num_speculative_tokens": k}))  # fmt: skip
+        for topk in args.draft_topk if args.eagle else ():
+            configs.append((f"eagle k={k}" + (f" topk={topk}" if topk > 1 else ""),
+                            {"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
+                             "draft_topk": topk}))  # fmt: skip
     return configs
 
 
@@ -194,6 +195,8 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="draft depths to compare")
     p.add_argument("--draft-model", default=None, help="a draft model (GGUF / HF dir) sharing the tokenizer")
     p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.spec.train_eagle)")
+    p.add_argument("--draft-topk", type=int, nargs="+", default=[1],
+                   help="eagle: draft trees to compare (1: a chain; t: t - 1 leaves per depth)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")

@@ -17,7 +17,7 @@ import torch
 
 from inferd.config import EngineConfig, resolve_device, resolve_dtype
 from inferd.engine.detokenizer import IncrementalDetokenizer
-from inferd.engine.model_runner import ModelRunner
+from inferd.engine.model_runner import ModelRunner, StepBatch
 from inferd.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache import describe as describe_kv_cache
@@ -28,7 +28,7 @@ from inferd.models import build_model
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes
 from inferd.sampling.params import SamplingParams
-from inferd.sampling.rejection import verify
+from inferd.sampling.rejection import Verified, verify
 from inferd.sampling.sampler import Sampler, TokenLogprob
 from inferd.scheduler.scheduler import Scheduler
 from inferd.scheduler.sequence import Logprob, Sequence
@@ -135,9 +135,12 @@ class EngineCore:
         if self.proposer is not None:
             spec = config.speculative
             k = spec.num_speculative_tokens
-            cost = measure_verify_cost(self.runner, k, min(config.scheduler.max_num_seqs, 64), mcfg.vocab_size,
-                                       context=max(1, min(128, self.max_model_len - k - 1)))  # fmt: skip
-            self.spec_policy = SpecPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size, cost)
+            leaves = (spec.draft_topk - 1) * k
+            context = max(1, min(128, self.max_model_len - k - 1))
+            cost, leaf_cost = measure_verify_cost(self.runner, k, min(config.scheduler.max_num_seqs, 64),
+                                                  mcfg.vocab_size, context=context, leaves=leaves)  # fmt: skip
+            self.spec_policy = SpecPolicy(k, spec.disable_by_batch_size, cost, leaf_width=spec.draft_topk - 1,
+                                          leaf_cost=leaf_cost)  # fmt: skip
             self.stats.spec_method = spec.method
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
@@ -306,11 +309,11 @@ class EngineCore:
                 plain_seqs.append(seq)
             row += count
         now_deltas = self._sample_plain(logits, plain_rows, plain_seqs, batch, will_sample, masks)
-        deltas = now_deltas + self._verify(logits, spec_rows, spec_seqs)
+        deltas = now_deltas + self._verify(logits, spec_rows, spec_seqs, batch)
         if starts is not None:
             self._observe(out.scheduled, starts, batch.hidden)
         if self.spec_policy is not None and spec_seqs:
-            drafts = sum(len(s.spec_token_ids) for s in spec_seqs)
+            drafts = sum(len(s.spec_token_ids) + len(s.spec_leaves) for s in spec_seqs)
             self.spec_policy.record_proposer_time(propose_seconds, len(spec_seqs), drafts,
                                                   time.perf_counter() - step_start)  # fmt: skip
         for seq in spec_seqs:
@@ -345,13 +348,16 @@ class EngineCore:
                   for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
         return deltas
 
-    def _verify(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[SequenceDelta]:
+    def _verify(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], batch: StepBatch
+    ) -> list[SequenceDelta]:
         """Sequences that verified draft tokens: keep the accepted ones plus the target's next
         token, and roll the KV of the rejected ones back."""
         if not seqs:
             return []
         index = torch.tensor(rows, device=logits.device)
         results = verify(logits[index], seqs, self.eos_token_ids, self.model_config.vocab_size)
+        self._take_leaves(seqs, results, batch)
         now = self.clock()
         deltas: list[SequenceDelta] = []
         stats = self.stats
@@ -359,10 +365,13 @@ class EngineCore:
             k = len(seq.spec_token_ids)
             # The last real token and the accepted drafts now have K/V; the rest is rolled back.
             seq.num_computed_tokens += 1 + res.num_accepted
-            self.spec_policy.record(seq, k, res.num_accepted)
+            chain = res.num_accepted - (res.leaf is not None)
+            self.spec_policy.record(seq, k, chain, seq.spec_leaves, res.leaf is not None)
             stats.spec_num_drafts += 1
-            stats.spec_draft_tokens += k
+            stats.spec_draft_tokens += k + len(seq.spec_leaves)
             stats.spec_accepted_tokens += res.num_accepted
+            stats.spec_leaf_tokens += len(seq.spec_leaves)
+            stats.spec_accepted_leaves += res.leaf is not None
             delta = self._append_tokens(seq, res.token_ids, res.logprobs, now)
             stats.spec_emitted_tokens += len(delta.new_token_ids)
             stats.generation_tokens_total += len(delta.new_token_ids)
@@ -371,6 +380,30 @@ class EngineCore:
                 self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
                 self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         return deltas
+
+    @torch.inference_mode()  # the step's hidden states are inference tensors
+    def _take_leaves(self, seqs: list[Sequence], results: list[Verified], batch: StepBatch) -> None:
+        """An accepted draft-tree leaf takes the place of the draft it displaced: its K/V moves
+        from its scratch block to its position in the sequence's blocks, and its hidden state
+        into that draft's row (what `_observe` hands the proposer). Every scratch block is freed."""
+        src, dst = [], []
+        for seq, res in zip(seqs, results):
+            if res.leaf is None:
+                continue
+            depth = seq.spec_leaves[res.leaf][0]
+            pos = seq.num_computed_tokens + depth
+            bs = self.kv.block_size
+            src.append(self.kv.scratch[seq.seq_id][res.leaf] * bs + pos % bs)
+            dst.append(self.kv.slot(seq.seq_id, pos))
+            if batch.hidden is not None:
+                row0, first_leaf = batch.leaf_rows[seq.seq_id]
+                batch.hidden[row0 + depth] = batch.hidden[first_leaf + res.leaf]
+        if src:
+            as_tensor = self.runner.as_tensor
+            self.runner.kv_cache.copy_slots(as_tensor(src), as_tensor(dst))
+        for seq in seqs:
+            if seq.spec_leaves:
+                self.kv.free_scratch(seq.seq_id)
 
     def _observe(self, scheduled: list[tuple[Sequence, int]], starts: list[int], hidden: torch.Tensor) -> None:
         """Hand the proposer the hidden states of the positions each still-running sequence got
@@ -412,7 +445,8 @@ class EngineCore:
                 chosen.append(seq)
                 depths.append(k)
         if chosen:
-            self.proposer.propose(chosen, depths)
+            widths = self.spec_policy.leaf_widths(chosen, depths, len(decoding))
+            self.proposer.propose(chosen, depths, widths)
         return time.perf_counter() - start
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

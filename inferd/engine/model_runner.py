@@ -5,6 +5,15 @@ with their positions and cache slots. Only the rows whose sequence has no uncomp
 after this step (the end of a prefill, or a decode) produce logits. A decode verifying k draft
 tokens contributes its last token followed by the drafts (q_len = 1 + k) and produces 1 + k rows
 of logits: row i is the target's distribution after draft i (row 0: after the last real token).
+
+The leaves of a draft tree (`seq.spec_leaves`: alternatives to the draft at some depth d) get rows
+of their own after every sequence's rows, each attended as a one-query sequence of its own: keys
+[0, p + d) of its sequence, then its own at position p + d (p: the last real token). That position
+holds the chain's draft in the sequence's blocks, so the leaf's table swaps the block holding it
+for a scratch block (`KVCacheManager.allocate_scratch`) with the same keys before it: those
+computed earlier are copied in before the forward (`scratch_copies`), those of this step are
+written twice (`AttentionMetadata.mirror_rows`). A leaf then sees exactly the keys a decode at its
+position would, in the same places: its logits match one-at-a-time decoding bit for bit.
 """
 
 from __future__ import annotations
@@ -74,6 +83,10 @@ class StepBatch:
     sample_counts: list[int]
     # Every row's final hidden state, when `execute` was asked for them (a learned draft head).
     hidden: torch.Tensor | None = None
+    # Draft-tree leaves: per sequence id, its first row and its first leaf's; (src, dst) slots
+    # copied before the forward into the leaves' scratch blocks (every layer).
+    leaf_rows: dict[int, tuple[int, int]] | None = None
+    scratch_copies: tuple[list[int], list[int]] | None = None
 
 
 class ModelRunner:
@@ -132,7 +145,8 @@ class ModelRunner:
         self.kv_cache = self.kv_caches = None  # drop the old pool before mapping the new one
         self._allocate_kv()
 
-    def _tensor(self, data: list[int]) -> torch.Tensor:
+    def as_tensor(self, data: list[int]) -> torch.Tensor:
+        """Indices (slots, rows, blocks) as an int64 tensor on the model's device."""
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -147,6 +161,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_counts: list[int] = []
+        leaves = None
+        if any(seq.spec_leaves for seq, _ in out.scheduled):
+            leaves = _LeafRows(sum(n for _, n in out.scheduled))
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -168,23 +185,38 @@ class ModelRunner:
                     # query i sits at position start + i and sees keys [0, start + i].
                     q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
-                block_table = self._tensor(table[: (end + bs - 1) // bs])
+                block_table = self.as_tensor(table[: (end + bs - 1) // bs])
                 prefills.append(PrefillSlice(row0, row0 + n, end, block_table, mask))
             if end >= num_tokens:
                 first = row0 + num_tokens - 1 - start
                 sample_rows.extend(range(first, row0 + n))
                 sample_seqs.append(seq)
-                sample_counts.append(row0 + n - first)
+                sample_counts.append(row0 + n - first + len(seq.spec_leaves))
+                if seq.spec_leaves:
+                    scratch = self.kv.scratch[seq.seq_id]
+                    sample_rows.extend(leaves.add(seq, row0, start, table, scratch, bs))
+        if leaves is not None:
+            input_ids.extend(leaves.input_ids)
+            positions.extend(leaves.positions)
+            slots.extend(leaves.slots)
+            target = kernel_group if self.attention_kernel is not None else group
+            target.extend(leaves.entries)
 
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+            slot_mapping=self.as_tensor(slots),
             block_size=bs,
             group=self._padded_group(group, len(input_ids)) if group else None,
             prefills=prefills,
             kernel_group=self._padded_group(kernel_group, len(input_ids)) if kernel_group else None,
         )
-        return StepBatch(self._tensor(input_ids), self._tensor(positions), meta, sample_rows,
-                         sample_seqs, sample_counts)  # fmt: skip
+        batch = StepBatch(self.as_tensor(input_ids), self.as_tensor(positions), meta, sample_rows,
+                          sample_seqs, sample_counts)  # fmt: skip
+        if leaves is not None:
+            meta.mirror_rows = self.as_tensor(leaves.mirror_rows)
+            meta.mirror_slots = self.as_tensor(leaves.mirror_slots)
+            batch.leaf_rows = leaves.first_rows
+            batch.scratch_copies = (leaves.copy_src, leaves.copy_dst)
+        return batch
 
     def _padded_group(self, group: list[tuple[int, int, int, list[int]]], num_rows: int) -> PaddedGroup:
         bs = self.block_size
@@ -195,15 +227,15 @@ class ModelRunner:
         for b, (row0, n, _, _) in enumerate(group):
             token_rows.extend(range(row0, row0 + n))
             padded_index.extend(range(b * q_max, b * q_max + n))
-        tables = self._tensor([t + [0] * (width - len(t)) for *_, t in group])
-        q_len = self._tensor([n for _, n, _, _ in group])
-        ctx = self._tensor([c for _, _, c, _ in group])
+        tables = self.as_tensor([t + [0] * (width - len(t)) for *_, t in group])
+        q_len = self.as_tensor([n for _, n, _, _ in group])
+        ctx = self.as_tensor([c for _, _, c, _ in group])
         if self.attention_kernel is not None and q_max <= KERNEL_MAX_QUERY:
             return PaddedGroup(
-                token_rows=self._tensor(token_rows), padded_index=self._tensor(padded_index),
+                token_rows=self.as_tensor(token_rows), padded_index=self.as_tensor(padded_index),
                 block_tables=tables, mask=None, q_max=q_max,
                 is_whole_batch=False, kernel=self.attention_kernel,
-                row_start=self._tensor([r for r, _, _, _ in group]), q_lens=q_len, ctx_lens=ctx,
+                row_start=self.as_tensor([r for r, _, _, _ in group]), q_lens=q_len, ctx_lens=ctx,
             )  # fmt: skip
         q_len, ctx = q_len.view(-1, 1, 1), ctx.view(-1, 1, 1)
         i = torch.arange(q_max, device=self.device).view(1, -1, 1)
@@ -213,8 +245,8 @@ class ModelRunner:
         mask = (j <= ctx - q_len + i) | ((i >= q_len) & (j == 0))
         whole = q_max == 1 and token_rows == list(range(num_rows))
         return PaddedGroup(
-            token_rows=self._tensor(token_rows),
-            padded_index=self._tensor(padded_index),
+            token_rows=self.as_tensor(token_rows),
+            padded_index=self.as_tensor(padded_index),
             block_tables=tables,
             mask=mask.unsqueeze(1),
             q_max=q_max,
@@ -230,10 +262,12 @@ class ModelRunner:
             self.kv_prefaulter.advance(self.kv.pool.high_water)
         copies = self.kv.take_pending_copies()
         if copies:
-            src = self._tensor([s for s, _ in copies])
-            dst = self._tensor([d for _, d in copies])
+            src = self.as_tensor([s for s, _ in copies])
+            dst = self.as_tensor([d for _, d in copies])
             self.kv_cache.copy_blocks(src, dst)
         batch = self.prepare(out)
+        if batch.scratch_copies is not None and batch.scratch_copies[0]:
+            self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if all_hidden:
             batch.hidden = hidden
@@ -243,5 +277,45 @@ class ModelRunner:
         if batch.sample_rows == list(range(hidden.shape[0])):
             rows = hidden  # every row samples (pure decode): no gather
         else:
-            rows = hidden[self._tensor(batch.sample_rows)]
+            rows = hidden[self.as_tensor(batch.sample_rows)]
         return self.model.compute_logits(rows), rows, batch
+
+
+class _LeafRows:
+    """The rows, keys and scratch-block copies of a step's draft-tree leaves (module docstring),
+    placed after the step's `first_row` rows of scheduled sequences."""
+
+    def __init__(self, first_row: int) -> None:
+        self.next_row = first_row
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.entries: list[tuple[int, int, int, list[int]]] = []  # (row, 1, context, table)
+        self.mirror_rows: list[int] = []
+        self.mirror_slots: list[int] = []
+        self.copy_src: list[int] = []
+        self.copy_dst: list[int] = []
+        self.first_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first leaf row)
+
+    def add(
+        self, seq: Sequence, row0: int, start: int, table: list[int], scratch: list[int], bs: int
+    ) -> range:
+        """Rows for `seq`'s leaves; `row0`: the row of its last real token, at position `start`."""
+        first = self.next_row
+        self.first_rows[seq.seq_id] = (row0, first)
+        for (depth, token), block in zip(seq.spec_leaves, scratch):
+            pos = start + depth
+            base = pos - pos % bs  # the block's first position
+            for q in range(base, pos):  # the keys before the leaf's in its block
+                if q < start:  # computed in an earlier step: copied in before the forward
+                    self.copy_src.append(table[q // bs] * bs + q % bs)
+                    self.copy_dst.append(block * bs + q % bs)
+                else:  # the last real token or a draft above the leaf: written there too
+                    self.mirror_rows.append(row0 + q - start)
+                    self.mirror_slots.append(block * bs + q % bs)
+            self.input_ids.append(token)
+            self.positions.append(pos)
+            self.slots.append(block * bs + pos % bs)
+            self.entries.append((self.next_row, 1, pos + 1, table[: pos // bs] + [block]))
+            self.next_row += 1
+        return range(first, self.next_row)

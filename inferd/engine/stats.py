@@ -32,6 +32,9 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    # Of those, the leaves of draft trees (eagle's draft_topk > 1) verified and accepted.
+    spec_leaf_tokens: int = 0
+    spec_accepted_leaves: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

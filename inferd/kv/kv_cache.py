@@ -171,6 +171,15 @@ class KVCache:
         return [tuple(QuantizedKV(self.data[i, j], self.scales[i, j], self.fmt) for j in (0, 1))
                 for i in range(self.data.shape[0])]  # fmt: skip
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Flat slots `src` → `dst` in every layer, K and V (scales too)."""
+        layers, two, blocks, bs = self.data.shape[:4]
+        data = self.data.view(layers, two, blocks * bs, *self.data.shape[4:])
+        data[:, :, dst] = data[:, :, src]
+        if self.scales is not None:
+            scales = self.scales.view(layers, two, blocks * bs, -1)
+            scales[:, :, dst] = scales[:, :, src]
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` → `dst` in every layer, K and V (scales too)."""
         self.data[:, :, dst] = self.data[:, :, src]

@@ -6,7 +6,8 @@ A sequence's block table covers token positions [0, len(table) * block_size):
 - the rest are its own, the last one possibly partial.
 Blocks may also be shared by several sequences (n > 1 samples of one prompt); a write into a shared
 block first copies it to a fresh block (copy-on-write), recorded in `pending_copies` for the model
-runner to apply before the step's forward pass.
+runner to apply before the step's forward pass. Scratch blocks live for one step: the leaves of a
+speculative draft tree are verified in them (inferd/engine/model_runner.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class KVCacheManager:
         self.block_tables: dict[int, list[int]] = {}
         self._num_cached_blocks: dict[int, int] = {}  # blocks [0, n) of a table are in the tree
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
+        self.scratch: dict[int, list[int]] = {}  # seq_id -> this step's draft-tree leaf blocks
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes)."""
@@ -67,6 +69,21 @@ class KVCacheManager:
         table.extend(self.pool.allocate(new))
         return True
 
+    def allocate_scratch(self, seq_id: int, n: int) -> bool:
+        """n blocks the sequence uses for this step only (the leaves of a draft tree, each
+        verified against a copy of the block it would sit in), outside its block table and never
+        offered to the prefix cache; `free_scratch` (or `free`) returns them. False: no room."""
+        assert seq_id not in self.scratch, "scratch blocks still held from an earlier step"
+        if not self._ensure_free(n):
+            return False
+        self.scratch[seq_id] = self.pool.allocate(n)
+        return True
+
+    def free_scratch(self, seq_id: int) -> None:
+        blocks = self.scratch.pop(seq_id, None)
+        if blocks:
+            self.pool.decref(blocks)
+
     def cache_computed_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Offer the sequence's newly completed full blocks to the prefix cache."""
         full = num_computed // self.block_size
@@ -100,6 +117,7 @@ class KVCacheManager:
         self._num_cached_blocks[child_id] = self._num_cached_blocks.get(parent_id, 0)
 
     def free(self, seq_id: int) -> None:
+        self.free_scratch(seq_id)
         self._num_cached_blocks.pop(seq_id, None)
         table = self.block_tables.pop(seq_id, None)
         if table:
@@ -116,5 +134,6 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         owners = Counter(b for table in self.block_tables.values() for b in table)
+        owners.update(b for blocks in self.scratch.values() for b in blocks)
         owners.update(self.prefix_cache.blocks())
         self.pool.check_integrity(dict(owners))

@@ -132,6 +132,10 @@ class AttentionMetadata:
     # Sequences whose queries the C++ kernel takes (decodes, 1 + k verification rows): chosen by
     # each sequence's own query length, so its path never depends on the rest of the step.
     kernel_group: PaddedGroup | None = None
+    # Rows whose K/V also go to a second slot: the keys a draft-tree leaf's scratch block repeats
+    # (inferd/engine/model_runner.py). None when the step has no leaves.
+    mirror_rows: torch.Tensor | None = None
+    mirror_slots: torch.Tensor | None = None
 
 
 def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -194,6 +198,14 @@ def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, g
     return o if g.is_whole_batch else o.index_select(0, g.padded_index)
 
 
+def _write(cache: LayerKV, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x [n, Hkv, D] into flat `slots`, as stored (quantized, or rounded to a 2-byte cache)."""
+    if isinstance(cache, QuantizedKV):
+        cache.write(slots, x)
+    else:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -206,6 +218,9 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
     _, block_size, n_kv, d = k_cache.shape
     quantized = isinstance(k_cache, QuantizedKV)
+    if meta.mirror_rows is not None:  # before the writes below replace k and v by what is stored
+        _write(k_cache, meta.mirror_slots, k.index_select(0, meta.mirror_rows))
+        _write(v_cache, meta.mirror_slots, v.index_select(0, meta.mirror_rows))
     if quantized:
         k = k_cache.write(meta.slot_mapping, k)
         v = v_cache.write(meta.slot_mapping, v)

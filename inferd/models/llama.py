@@ -170,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         return ext.decode_layers(
             x, self._fused_layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
             kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape, quant,
+            meta.mirror_rows, meta.mirror_slots,
         )  # fmt: skip
 
     def weights_repacked(self) -> None:

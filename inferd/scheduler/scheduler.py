@@ -72,6 +72,8 @@ class Scheduler:
         if seq.spec_token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
             n = min(1 + len(seq.spec_token_ids), budget)
             seq.trim_drafts(n - 1)
+            if len(seq.spec_leaves) > budget - n:  # a tree's leaves take rows of the budget too
+                seq.spec_leaves = seq.spec_leaves[: budget - n]
             return n
         n = min(seq.num_uncomputed, budget)
         if self.config.long_prefill_token_threshold is not None:
@@ -121,9 +123,14 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                # Each leaf of a draft tree verifies in a scratch block of its own (freed once
+                # verified); with no block free for them, the chain alone is verified.
+                leaves = len(seq.spec_leaves)
+                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves):
+                    seq.spec_leaves = []
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
-                budget -= n
+                budget -= n + len(seq.spec_leaves)
                 if is_prefill:
                     prefill_room -= n
                 else:

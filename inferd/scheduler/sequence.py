@@ -57,6 +57,9 @@ class Sequence:
     # the draft's distributions they were sampled from ([k, vocab]; None: chosen deterministically).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    # Leaves of a draft tree (greedy sequences only): (depth, token) alternatives to the draft at
+    # that depth (1-based), each verified in a row of its own that sees the drafts above it.
+    spec_leaves: list[tuple[int, int]] = field(default_factory=list)
     spec_state: Any = None  # the speculation policy's per-sequence record (inferd.spec.policy)
 
     @property
@@ -79,9 +82,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None) -> None:
+    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
+                   leaves: list[tuple[int, int]] | None = None) -> None:  # fmt: skip
         self.spec_token_ids = token_ids
         self.spec_probs = probs
+        self.spec_leaves = leaves or []
 
     def trim_drafts(self, k: int) -> None:
         """Keep the first k draft tokens (the step's token budget had no room for the rest)."""
@@ -89,6 +94,8 @@ class Sequence:
             self.spec_token_ids = self.spec_token_ids[:k]
             if self.spec_probs is not None:
                 self.spec_probs = self.spec_probs[:k]
+        if self.spec_leaves and self.spec_leaves[-1][0] > k:
+            self.spec_leaves = [(d, t) for d, t in self.spec_leaves if d <= k]
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

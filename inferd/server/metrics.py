@@ -128,6 +128,10 @@ class _EngineGauges(Collector):
                 ("spec_decode_num_emitted_tokens",
                  "Tokens emitted by verification steps (accepted drafts + one of the target's).",
                  s.spec_emitted_tokens),
+                ("spec_decode_num_leaf_tokens",
+                 "Draft-tree leaves verified (among the draft tokens).", s.spec_leaf_tokens),
+                ("spec_decode_num_accepted_leaves",
+                 "Draft-tree leaves accepted (among the accepted tokens).", s.spec_accepted_leaves),
             ):  # fmt: skip
                 c = CounterMetricFamily(f"inferd:{name}", doc, labels=["model_name", "method"])
                 c.add_metric([self.model_name, s.spec_method], value)

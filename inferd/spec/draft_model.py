@@ -104,7 +104,7 @@ class DraftModelProposer(Proposer):
 
     # ---- proposing --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
         targets: list[Sequence] = []
         depths: list[int] = []
         scheduled: list[tuple[Sequence, int]] = []

@@ -56,16 +56,22 @@ class EagleProposer(Proposer):
             at += n
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
         # A chain starts at the position before the last token: its entry pairs the target's
         # hidden state there with that token.
-        ready = [(s, k) for s, k in zip(seqs, ks)
+        widths = widths or [0] * len(seqs)
+        ready = [(s, k, w) for s, k, w in zip(seqs, ks, widths)
                  if (c := self.caches.get(s.seq_id)) is not None and c.end == s.num_tokens - 1]  # fmt: skip
         if not ready:
             return
-        drafted, _ = self.head.draft([self.caches[s.seq_id] for s, _ in ready], max(k for _, k in ready))
-        for (seq, k), row in zip(ready, drafted.tolist()):
-            seq.set_drafts(row[:k])
+        width = max(w for *_, w in ready)
+        caches = [self.caches[s.seq_id] for s, *_ in ready]
+        drafted, alts = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width)
+        alts = alts.tolist() if width else None
+        for i, ((seq, k, w), row) in enumerate(zip(ready, drafted.tolist())):
+            # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.
+            leaves = [(d + 1, t) for d in range(k) for t in alts[i][d][:w]] if w else None
+            seq.set_drafts(row[:k], leaves=leaves)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         cache = self.caches.get(parent.seq_id)

@@ -396,6 +396,24 @@ class EagleHead(nn.Module):
             return ids[argmax_rows(rows(feature.to(self.target.norm.weight.dtype)))]
         return argmax_rows(self.compute_logits(feature))
 
+    def greedy_top(self, feature: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy`'s tokens [B] and the n likeliest others after each [B, n], from one scoring."""
+        if self._draft_vocab is not None:
+            ids, rows = self._draft_vocab
+            scores = rows(feature.to(self.target.norm.weight.dtype)).float()
+        else:
+            ids, scores = None, self.compute_logits(feature)
+        best = argmax_rows(scores)
+        top = scores.topk(n + 1, dim=-1).indices
+        others = top[:, 1:]
+        tie = top[:, 0] != best
+        if bool(tie.any()):  # topk broke a tie otherwise than argmax: drop `best` from those rows
+            others = others.clone()
+            others[tie] = torch.stack([r[r != b][:n] for r, b in zip(top[tie], best[tie])])
+        if ids is not None:
+            best, others = ids[best], ids[others]
+        return best, others
+
     # ---- training: every position of whole sequences at once ---------------------------------
     def forward_levels(
         self,
@@ -481,13 +499,20 @@ class EagleHead(nn.Module):
         k: int,
         return_logits: bool = False,
         choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        alternatives: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chains of k drafted tokens [B, k], one per cache, each from the cache's last position t
         (tokens t + 2 .. t + k + 1), and, when asked, the logits each was drafted from [B, k, V]
         fp32 (what rejection sampling needs as q). Every cache must hold a position.
 
         `choose(logits [B, V], step) -> tokens [B]` picks each drafted token (at temperature > 0:
-        sample from the processed distribution); default greedy (argmax)."""
+        sample from the processed distribution); default greedy (argmax).
+
+        `alternatives` > 0 (greedy drafting only): the second value is instead, per chain and
+        step, the next `alternatives` likeliest tokens after the drafted one [B, k, alternatives]
+        (a draft tree's leaves)."""
+        assert not alternatives or not (return_logits or choose), "alternatives: greedy chains only"
+        alts = []
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group, scale = nh // nkv, d**-0.5
@@ -522,7 +547,10 @@ class EagleHead(nn.Module):
                     outs.append(torch.matmul(torch.softmax(s, dim=-1), values))  # [KVH, G, D]
                 attn = torch.stack(outs).view(b, nh, d)
             feature = self.finish(x, attn)
-            if not (return_logits or choose):
+            if alternatives:
+                tok, alt = self.greedy_top(feature, alternatives)
+                alts.append(alt)
+            elif not (return_logits or choose):
                 tok = self.greedy(feature)
             else:
                 step_logits = self.compute_logits(feature)
@@ -534,6 +562,8 @@ class EagleHead(nn.Module):
                 x = self.inputs(feature, tok)
                 pos = pos + 1
         drafted = torch.stack(tokens, dim=1) if tokens else pos.new_empty(b, 0)
+        if alternatives:
+            return drafted, torch.stack(alts, dim=1) if alts else pos.new_empty(b, 0, alternatives)
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
 
     # ---- disk --------------------------------------------------------------------------------

@@ -33,6 +33,6 @@ class NgramProposer(Proposer):
         self.n_min = n_min
         self.n_max = n_max
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
         for seq, k in zip(seqs, ks):
             seq.set_drafts(lookup(seq.token_ids, k, self.n_min, self.n_max))

@@ -11,6 +11,11 @@ Each sequence takes the k in [0, k_max] that maximizes E(k) / cost(k); k = 0 (pl
 wins by itself when the batch grows or acceptance drops, and a sequence at k = 0 probes with one
 draft now and then so that its estimate can recover. `disable_by_batch_size` overrides the
 batch-size side: no speculation while more sequences than that decode.
+
+A draft tree (`draft_topk` > 1: w = draft_topk - 1 leaves at each of the k depths) adds w * k rows
+at beta each; the leaves pay when the chain stops before its end (1 - a^k) and a leaf at that
+depth is the target's token (h, the leaves' running hit rate across sequences): a sequence
+verifies leaves when (E(k) + (1 - a^k) h) / (cost(k) + beta w k) beats E(k) / cost(k).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ _TRUST_PRIOR_BELOW = 0.3  # cost per draft under which a new sequence tries at t
 _SHARED_DECAY = 0.98  # the same for the estimate across sequences (~50 verifications' memory)
 _PROBE_EVERY = 8  # steps a sequence at k = 0 waits before trying one draft again
 _MAX_PROBES_PER_STEP = 0.25  # probes of the whole batch per step, on average
+_PRIOR_LEAF_HITS, _PRIOR_LEAF_CHANCES = 0.6, 2.0  # h = 0.3 until leaves have been verified
+_LEAF_DECAY = 0.98  # the leaves' hit rate: ~50 chances' memory
+_LEAF_PROBE_EVERY = 16  # verifications between tries of the leaves while they do not pay
 
 
 @dataclass(slots=True)
@@ -73,26 +81,25 @@ def probe_interval(cost_per_draft: float, batch_size: int = 1) -> int:
 
 class SpecPolicy:
     def __init__(self, k_max: int, disable_by_batch_size: int | None,
-                 verify_cost: dict[int, float] | None = None) -> None:  # fmt: skip
+                 verify_cost: dict[int, float] | None = None, leaf_width: int = 0,
+                 leaf_cost: dict[int, float] | None = None) -> None:  # fmt: skip
         self.k_max = k_max
+        self.leaf_width = leaf_width  # leaves per depth of a draft tree (draft_topk - 1)
+        # A leaf row's cost by batch size (inferd.spec.calibrate); none measured: beta's.
+        self.leaf_cost = dict(sorted((leaf_cost or {}).items()))
+        self._leaf_hits, self._leaf_chances = _PRIOR_LEAF_HITS, _PRIOR_LEAF_CHANCES
+        self._leaves_off = 0  # verifications since the leaves last paid
         self.disable_by_batch_size = disable_by_batch_size
         # beta by batch size (sorted keys); empty: assume verification is free.
         self.verify_cost = dict(sorted((verify_cost or {}).items()))
-        self._sizes = list(self.verify_cost)
         self.proposer_cost = 0.0  # delta, an exponential moving average
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
 
     def beta(self, batch_size: int) -> float:
-        if not self._sizes:
-            return 0.0
-        i = bisect.bisect_right(self._sizes, batch_size) - 1
-        if i < 0:
-            return self.verify_cost[self._sizes[0]]
-        if i == len(self._sizes) - 1:
-            return self.verify_cost[self._sizes[-1]]
-        lo, hi = self._sizes[i], self._sizes[i + 1]  # linear in between two measured sizes
-        t = (batch_size - lo) / (hi - lo)
-        return (1 - t) * self.verify_cost[lo] + t * self.verify_cost[hi]
+        return _interpolate(self.verify_cost, batch_size)
+
+    def leaf_beta(self, batch_size: int) -> float:
+        return _interpolate(self.leaf_cost, batch_size) if self.leaf_cost else self.beta(batch_size)
 
     def depths(self, seqs: list[Sequence], batch_size: int) -> list[int]:
         """k per sequence for this step (0: no drafts); `batch_size`: sequences decoding."""
@@ -116,6 +123,27 @@ class SpecPolicy:
             ks.append(max(0, min(k, remaining - 1)))
         return ks
 
+    def leaf_widths(self, seqs: list[Sequence], ks: list[int], batch_size: int) -> list[int]:
+        """Leaves per depth for each sequence's chain of k drafts (0: a chain alone)."""
+        if not self.leaf_width:
+            return [0] * len(seqs)
+        draft_cost = self.beta(batch_size) + self.proposer_cost
+        leaf_cost = self.leaf_beta(batch_size)
+        h = self._leaf_hits / self._leaf_chances
+        widths = []
+        for seq, k in zip(seqs, ks):
+            pays = False
+            if k > 0 and seq.params.greedy:
+                a = seq.spec_state.acceptance
+                tokens, cost = expected_tokens(a, k), 1.0 + draft_cost * k
+                with_leaves = (tokens + (1.0 - a**k) * h) / (cost + leaf_cost * self.leaf_width * k)
+                pays = with_leaves > tokens / cost * 1.02
+                if not pays:  # try now and then: the hit rate only moves when leaves are verified
+                    self._leaves_off += 1
+                    pays = self._leaves_off % _LEAF_PROBE_EVERY == 0
+            widths.append(self.leaf_width if pays else 0)
+        return widths
+
     def _fresh_state(self, cost: float) -> SpecState:
         """A new sequence's estimate. Where a draft costs little (batch 1: ~0.15 of a step) the
         optimistic prior (a = 0.7) lets it try at once; where it costs more it starts at the
@@ -128,11 +156,16 @@ class SpecPolicy:
         a = self._seen_accepted / self._seen_tried
         return SpecState(accepted=a * _PRIOR_TRIED, tried=_PRIOR_TRIED)
 
-    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """A verification's outcome: drafts 1..num_accepted matched, the next one (if any) did not."""
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int,
+               leaves: list[tuple[int, int]] = (), leaf_hit: bool = False) -> None:  # fmt: skip
+        """A verification's outcome: drafts 1..num_accepted matched, the next one (if any) did not;
+        `leaves` (depth, token) were verified too, and one was accepted if `leaf_hit`."""
         state = seq.spec_state
         if state is None or num_drafts == 0:
             return
+        if num_accepted < num_drafts and any(d == num_accepted + 1 for d, _ in leaves):
+            self._leaf_hits = _LEAF_DECAY * self._leaf_hits + leaf_hit
+            self._leaf_chances = _LEAF_DECAY * self._leaf_chances + 1.0
         looked_at = min(num_accepted + 1, num_drafts)
         state.accepted = _DECAY * state.accepted + num_accepted
         state.tried = _DECAY * state.tried + looked_at
@@ -146,6 +179,21 @@ class SpecPolicy:
         if num_drafts and step_seconds > 0:
             sample = seconds / step_seconds * num_seqs / num_drafts
             self.proposer_cost = 0.8 * self.proposer_cost + 0.2 * sample
+
+
+def _interpolate(costs: dict[int, float], batch_size: int) -> float:
+    """A cost measured at some batch sizes (sorted keys), linear in between; 0 when none."""
+    sizes = list(costs)
+    if not sizes:
+        return 0.0
+    i = bisect.bisect_right(sizes, batch_size) - 1
+    if i < 0:
+        return costs[sizes[0]]
+    if i == len(sizes) - 1:
+        return costs[sizes[-1]]
+    lo, hi = sizes[i], sizes[i + 1]
+    t = (batch_size - lo) / (hi - lo)
+    return (1 - t) * costs[lo] + t * costs[hi]
 
 
 def _remaining_tokens(seq: Sequence) -> int:

@@ -19,6 +19,8 @@ class Proposer(ABC):
       (fewer or none is fine: a sequence with no drafts decodes one token as usual). `probs` are
       the distributions the drafts were *sampled* from ([n, vocab]); None when they were chosen
       deterministically (argmax, lookup) — the sampler's acceptance rule depends on it.
+      `widths[i]` > 0 lets a proposer that ranks alternatives (eagle) add up to that many leaves
+      per depth (`set_drafts(..., leaves=[(depth, token), ...])`, in depth order); others ignore it.
     - `observe` receives, after every step and only if `needs_hidden`, the target's final hidden
       states of the positions the step computed for each running sequence: its first position
       and the rows [n, hidden] (prompt chunks, plain decodes, a verification's last real token
@@ -30,7 +32,9 @@ class Proposer(ABC):
     needs_hidden: bool = False
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None: ...
+    def propose(
+        self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None
+    ) -> None: ...
 
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
         """hidden[i]: [n_i, hidden_size], positions starts[i] .. starts[i] + n_i - 1 of seqs[i]."""

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -136,7 +137,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
                             const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
-                            const Shape& s, const QuantizedCaches& quant) {
+                            const Shape& s, const QuantizedCaches& quant,
+                            const std::optional<torch::Tensor>& mirror_rows,
+                            const std::optional<torch::Tensor>& mirror_slots) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
               "decode_layers: one K and one V cache per layer");
   const bool quantized = !quant.k_scales.empty();
@@ -160,6 +163,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     const torch::Tensor v_rows = parts[1].view({t, s.n_kv, s.head_dim});
     torch::Tensor q = q_k[0].contiguous();
     torch::Tensor o = torch::empty_like(q);
+    if (mirror_rows.has_value()) {  // a draft-tree leaf's scratch block repeats these keys
+      const torch::Tensor mk = q_k[1].index_select(0, *mirror_rows);
+      const torch::Tensor mv = v_rows.index_select(0, *mirror_rows);
+      if (quantized) {
+        write_quantized(k_caches[i], quant.k_scales[i], *mirror_slots, mk, quant.code, quant.qmax);
+        write_quantized(v_caches[i], quant.v_scales[i], *mirror_slots, mv, quant.code, quant.qmax);
+      } else {
+        layer_ops::write_rows(k_caches[i], *mirror_slots, mk);
+        layer_ops::write_rows(v_caches[i], *mirror_slots, mv);
+      }
+    }
     if (quantized) {
       write_quantized(k_caches[i], quant.k_scales[i], slot_mapping, q_k[1], quant.code, quant.qmax);
       write_quantized(v_caches[i], quant.v_scales[i], slot_mapping, v_rows, quant.code, quant.qmax);
