@@ -99,6 +99,23 @@ def test_the_thread_ends_when_the_pool_is_dropped():
     assert not any(t.is_alive() for t in mine)
 
 
+def test_stop_ends_the_workers_mid_populate_and_exit_stops_every_prefaulter():
+    """`stop` (run for every live prefaulter at exit, before the interpreter finalizes) ends
+    the workers after their madvise round, even while they populate a pool they alone still
+    hold: none is left to drop a pool's last reference during finalization."""
+    from inferd.kv import prefault
+
+    data = _pool()
+    p = _prefaulter(data, ahead_blocks=512)  # the whole pool: still populating below
+    workers = p.threads
+    assert p in prefault._live
+    del data
+    start = time.monotonic()
+    prefault._stop_all()
+    assert not any(t.is_alive() for t in workers)
+    assert time.monotonic() - start < 10 and not p.enabled
+
+
 def test_block_pool_tracks_the_highest_block_handed_out():
     pool = BlockPool(10)
     assert pool.high_water == 0

@@ -21,6 +21,7 @@ yet faults on first write as before. Needs Linux >= 5.14; elsewhere it does noth
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -49,6 +50,23 @@ def _madvise():
     return fn
 
 
+# Every prefaulter not yet collected: stopped at exit (`_stop_all`).
+_live: weakref.WeakSet[KVPrefaulter] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """At interpreter exit, before finalization: stop every prefaulter and wait for its workers.
+    A worker holds its pool while it populates it; left running, one that then dropped the last
+    reference during finalization ran the tensor's deleter there, and its GIL acquisition aborted
+    the process ("terminate called without an active exception": a script that made and dropped
+    one engine, then made another, exited so ~1 time in 4)."""
+    for prefaulter in list(_live):
+        prefaulter.stop()
+
+
+atexit.register(_stop_all)
+
+
 class KVPrefaulter:
     """Keeps the pages of blocks [0, high water + ahead) of a `[layers, 2, num_blocks, ...]` CPU
     pool faulted in; `advance(high_water)` after each allocation moves the target."""
@@ -75,6 +93,16 @@ class KVPrefaulter:
                         for w in range(n if self.enabled else 0)]  # fmt: skip
         for t in self.threads:
             t.start()
+        _live.add(self)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the workers (each after the madvise round in flight) and wait for them."""
+        with self._cond:
+            self.enabled = False
+            self._cond.notify_all()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
 
     @property
     def target(self) -> int:
