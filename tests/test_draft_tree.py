@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_speculative import _llm, _params  # (same directory: the tests' path)
 
 from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig
@@ -14,33 +15,16 @@ from inferd.scheduler.sequence import Sequence
 from inferd.spec.policy import SpecPolicy
 from inferd.spec.proposer import Proposer
 
-KV = 1 << 20
-
-
-def _llm(path, spec=None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", KV)
-    return LLM(
-        str(path), dtype="float32", device="cpu", verbose=False, speculative_config=spec, **kw
-    )
-
 
 def _prompts() -> list[list[int]]:
     base = [11, 23, 5, 67, 8, 90, 12, 34, 5, 67, 8, 41, 2, 9, 77, 31]
     return [base, base[:7], list(range(5, 40)), [3, 4, 5, 3, 4, 5, 3, 4], base * 3]
 
 
-def _params() -> list[SamplingParams]:
-    return [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2, min_tokens=3),
-        SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, stop_token_ids=[17]),
-    ]
-
-
 def _generate(llm: LLM):
-    return llm.generate([{"prompt_token_ids": p} for p in _prompts()], _params(), use_tqdm=False)
+    return llm.generate(
+        [{"prompt_token_ids": p} for p in _prompts()], _params(longer=10), use_tqdm=False
+    )
 
 
 class LeafOracle(Proposer):

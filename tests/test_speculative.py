@@ -50,13 +50,14 @@ def _prompts(tok) -> list[list[int]]:
     return [base, base[:7], list(range(5, 40)), tok.encode("a b c a b c a b"), base * 3]
 
 
-def _params() -> list[SamplingParams]:
+def _params(longer: int = 0) -> list[SamplingParams]:
+    """Greedy requests with logprobs, penalties, n = 2 and a stop token (`longer`: more tokens)."""
     return [
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2, min_tokens=3),
-        SamplingParams(temperature=0, max_tokens=26, ignore_eos=True, stop_token_ids=[17]),
+        SamplingParams(temperature=0, max_tokens=24 + longer, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=17 + longer, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30 + longer, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20 + longer, ignore_eos=True, n=2, min_tokens=3),
+        SamplingParams(temperature=0, max_tokens=26 + longer, ignore_eos=True, stop_token_ids=[17]),
     ]
 
 
