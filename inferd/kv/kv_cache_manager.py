@@ -69,12 +69,13 @@ class KVCacheManager:
         table.extend(self.pool.allocate(new))
         return True
 
-    def allocate_scratch(self, seq_id: int, n: int) -> bool:
+    def allocate_scratch(self, seq_id: int, n: int, keep: int = 0) -> bool:
         """n blocks the sequence uses for this step only (the leaves of a draft tree, each
         verified against a copy of the block it would sit in), outside its block table and never
-        offered to the prefix cache; `free_scratch` (or `free`) returns them. False: no room."""
+        offered to the prefix cache; `free_scratch` (or `free`) returns them. False: no room, with
+        `keep` blocks left over (what other sequences may still need this step)."""
         assert seq_id not in self.scratch, "scratch blocks still held from an earlier step"
-        if not self._ensure_free(n):
+        if n + keep > self.pool.num_available or not self._ensure_free(n):
             return False
         self.scratch[seq_id] = self.pool.allocate(n)
         return True

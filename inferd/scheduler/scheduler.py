@@ -124,9 +124,11 @@ class Scheduler:
                     break
             else:
                 # Each leaf of a draft tree verifies in a scratch block of its own (freed once
-                # verified); with no block free for them, the chain alone is verified.
+                # verified). Leaves are optional: they never take the block another running
+                # sequence may need this step (which would preempt someone); then the chain alone
+                # is verified.
                 leaves = len(seq.spec_leaves)
-                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves):
+                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=len(self.running)):
                     seq.spec_leaves = []
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
