@@ -66,7 +66,7 @@ def measure_verify_cost(runner: ModelRunner, k: int, max_batch: int, vocab_size:
             fresh = [s for s in batch if s.seq_id not in kv.scratch]
             if leaves and all(kv.allocate_scratch(s.seq_id, leaves) for s in fresh):
                 for s in batch:
-                    s.spec_leaves = [(1 + i % k, 0) for i in range(leaves)]
+                    s.spec_leaves = sorted((1 + i % k, 0) for i in range(leaves))  # in depth order
                 runner.execute(verify)  # warm-up
                 ratios = []
                 for _ in range(repeats):
