@@ -13,9 +13,11 @@ draft now and then so that its estimate can recover. `disable_by_batch_size` ove
 batch-size side: no speculation while more sequences than that decode.
 
 A draft tree (`draft_topk` > 1: w = draft_topk - 1 leaves at each of the k depths) adds w * k rows
-at beta each; the leaves pay when the chain stops before its end (1 - a^k) and a leaf at that
-depth is the target's token (h, the leaves' running hit rate across sequences): a sequence
-verifies leaves when (E(k) + (1 - a^k) h) / (cost(k) + beta w k) beats E(k) / cost(k).
+at a leaf row's own measured cost lambda (not beta: on a CPU a step's first rows ride along with
+the weights' stream and the later ones are paid in FLOPs); the leaves pay when the chain stops
+before its end (1 - a^k) and a leaf at that depth is the target's token (h, the leaves' running
+hit rate across sequences): a sequence verifies leaves when (E(k) + (1 - a^k) h) /
+(cost(k) + lambda w k) beats E(k) / cost(k).
 """
 
 from __future__ import annotations
