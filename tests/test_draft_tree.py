@@ -121,6 +121,33 @@ def test_leaves_give_way_when_the_pool_is_full(tiny_llama_gguf, reference):
     llm.engine.check_no_leaks()
 
 
+def test_aborts_between_tree_steps_leave_no_block(tiny_llama_gguf, reference):
+    """Requests aborted while others verify trees: every scratch block and every block of the
+    aborted ones goes back; the rest still finish with their reference outputs."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = _llm(tiny_llama_gguf.path, spec, enable_prefix_caching=True)
+    engine = llm.engine
+    answers = {tuple(p): list(out.outputs[0].token_ids) for p, out in zip(_prompts(), reference)}
+    engine.proposer = LeafOracle(answers, engine.model_config.vocab_size)
+    params = _params(longer=10)
+    for i, p in enumerate(_prompts()):
+        engine.add_request(f"r{i}", p, params[i])
+    outputs: dict[str, list[int]] = {}
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 4:
+            assert engine.abort_request("r0") and engine.abort_request("r2")
+        for delta in engine.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        assert not engine.kv.scratch  # scratch blocks live within a step only
+    assert engine.get_stats().spec_accepted_leaves > 0
+    for i in (1, 4):  # greedy, n = 1, no stop string: the stream is the reference's tokens
+        assert outputs[f"r{i}"] == list(reference[i].outputs[0].token_ids)
+    engine.requests.clear()
+    engine.check_no_leaks()
+
+
 def test_verify_accepts_the_leaf_at_the_rejected_depth():
     vocab = 8
     seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(temperature=0, max_tokens=None, logprobs=1))
