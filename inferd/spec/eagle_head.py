@@ -388,21 +388,24 @@ class EagleHead(nn.Module):
         target = self.target
         return target.compute_logits(feature.to(target.norm.weight.dtype))
 
+    def _draft_scores(self, feature: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Greedy drafting's scores of each feature [B, H]: over the draft vocabulary (its token
+        ids first) when one is set, else the whole vocabulary's logits (ids None)."""
+        if self._draft_vocab is not None:
+            ids, rows = self._draft_vocab
+            return ids, rows(feature.to(self.target.norm.weight.dtype))
+        return None, self.compute_logits(feature)
+
     def greedy(self, feature: torch.Tensor) -> torch.Tensor:
         """The draft token of each feature [..., H]: argmax of the target's LM head, over the
         draft vocabulary when one is set (what greedy drafting picks)."""
-        if self._draft_vocab is not None:
-            ids, rows = self._draft_vocab
-            return ids[argmax_rows(rows(feature.to(self.target.norm.weight.dtype)))]
-        return argmax_rows(self.compute_logits(feature))
+        ids, scores = self._draft_scores(feature)
+        best = argmax_rows(scores)
+        return best if ids is None else ids[best]
 
     def greedy_top(self, feature: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy`'s tokens [B] and the n likeliest others after each [B, n], from one scoring."""
-        if self._draft_vocab is not None:
-            ids, rows = self._draft_vocab
-            scores = rows(feature.to(self.target.norm.weight.dtype)).float()
-        else:
-            ids, scores = None, self.compute_logits(feature)
+        ids, scores = self._draft_scores(feature)
         best = argmax_rows(scores)
         top = scores.topk(n + 1, dim=-1).indices
         others = top[:, 1:]
