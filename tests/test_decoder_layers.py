@@ -25,14 +25,15 @@ PROMPTS = [
 
 def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: bool,
               kv_cache_dtype: str = "auto") -> tuple[list, int]:  # fmt: skip
-    """Greedy outputs (tokens and top-2 logprobs) and how many steps took the fused path."""
+    """Greedy outputs (tokens and top-2 logprobs) and the rows of each step that took the fused
+    path."""
     monkeypatch.setattr(llama, "FUSED_DECODE", fused)
-    calls = [0]
+    fused_rows: list[int] = []
     real = llama.LlamaForCausalLM._decode_layers
 
-    def counted(self, *args):
-        calls[0] += 1
-        return real(self, *args)
+    def counted(self, ext, x, *args):
+        fused_rows.append(x.shape[0])
+        return real(self, ext, x, *args)
 
     monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_layers", counted)
     # The speculation policy reads the clock (start-up calibration, the proposer's time), so under
@@ -46,7 +47,7 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
               speculative_config=config, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], fused_rows[:]
 
 
 @pytest.mark.parametrize(
@@ -69,9 +70,10 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
 def test_fused_decode_gives_the_python_layers_bits(tiny_models, monkeypatch, name, quantization,
                                                     kv_cache_dtype):  # fmt: skip
     path = tiny_models[name].path
-    want, python_calls = _generate(path, quantization, False, monkeypatch, PROMPTS, True, kv_cache_dtype)
-    got, fused_calls = _generate(path, quantization, True, monkeypatch, PROMPTS, True, kv_cache_dtype)
-    assert python_calls == 0 and fused_calls > 0
+    want, python_rows = _generate(path, quantization, False, monkeypatch, PROMPTS, True,
+                                  kv_cache_dtype)  # fmt: skip
+    got, fused_rows = _generate(path, quantization, True, monkeypatch, PROMPTS, True, kv_cache_dtype)
+    assert not python_rows and fused_rows
     assert got == want
 
 
@@ -83,6 +85,22 @@ def test_fused_decode_at_every_batch_size_and_activation_precision(tiny_models, 
     prompts = [f"{i} {PROMPTS[i % 3]}" for i in range(34)]
     with int8_activations(int8):
         want, _ = _generate(path, "int4", False, monkeypatch, prompts, spec=False)
-        got, fused_calls = _generate(path, "int4", True, monkeypatch, prompts, spec=False)
-    assert fused_calls > 0
+        got, fused_rows = _generate(path, "int4", True, monkeypatch, prompts, spec=False)
+    assert fused_rows
     assert got == want
+
+
+def test_fp32_decode_beyond_the_fused_kernels_rows_takes_the_layer_loop(tiny_models, monkeypatch):
+    """70 fp32 sequences decoding together: more rows than dense_gemm.h takes. The fused step's
+    matmuls would fall to at::linear there (MKL's sgemm: 1.6x slower on AMD CPUs than the
+    oneDNN packed weights the layer loop uses, and other bits), so those steps run the layer loop,
+    and the outputs are the layer loop's whether or not the fused step is on. With int4 weights
+    the quantized kernels take any row count: still fused."""
+    path = tiny_models["llama-f32.gguf"].path
+    prompts = [f"{i} {PROMPTS[i % 3]}" for i in range(70)]
+    want, _ = _generate(path, "none", False, monkeypatch, prompts, spec=False)
+    got, fused_rows = _generate(path, "none", True, monkeypatch, prompts, spec=False)
+    assert got == want
+    assert fused_rows and max(fused_rows) <= 64  # the steps of fewer decodes stay fused
+    _, quantized_rows = _generate(path, "int4", True, monkeypatch, prompts, spec=False)
+    assert max(quantized_rows) > 64

@@ -117,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
         self._tiles = False  # some weights packed into tiles: the fused step needs int8 activations
+        self._fused_rows: int | None = None  # _fused_max_rows, once known
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -139,11 +140,28 @@ class LlamaForCausalLM(nn.Module):
         kg = meta.kernel_group
         if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
                 and x.dtype == torch.float32 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
-                and (not self._tiles or formats.int8_activations_default(kg.kernel))):  # fmt: skip
+                and (not self._tiles or formats.int8_activations_default(kg.kernel))
+                and x.shape[0] <= self._fused_max_rows(kg.kernel)):  # fmt: skip
             return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer.forward(x, rope, kv, meta)
         return self.norm(x)
+
+    def _fused_max_rows(self, ext) -> int:
+        """Rows a fused step may have. Its fp32 matmuls take at::linear above
+        `dense_gemm_max_rows` (MKL's sgemm, which runs AMD CPUs on a generic path), where the
+        Python layers use oneDNN's packed weights: 65-128 fp32 decodes took 121-215 ms a step
+        fused against 77-137 ms in the layer loop. Quantized layers keep their own kernels at any
+        row count, and stay fused."""
+        if self._fused_rows is None:
+            dense = any(
+                isinstance(m, Linear)
+                for layer in self.layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            )  # fmt: skip
+            self._fused_rows = ext.dense_gemm_max_rows if dense else 1 << 62
+        return self._fused_rows
 
     def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer in one C++ call (csrc/decoder_layers.h) for a kernel-group-only step."""
@@ -176,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
     def weights_repacked(self) -> None:
         """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""
         self._fused_layers = None
+        self._fused_rows = None
         self._tiles = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -191,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them; linear
         layers whose weight `--quantization` keeps quantized become `QuantizedLinear`s."""
         self._fused_layers = None
+        self._fused_rows = None
         self._tiles = False
         own = dict(self.named_parameters(remove_duplicate=False))
         used: set[str] = set()
