@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import _llm, _params  # (same directory: the tests' path)
+from test_speculative import _llm, _params, fixed_speculation_costs  # noqa: F401 (autouse)
 
 from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig

@@ -12,12 +12,30 @@ from tiny_models import TinySpec, with_seed, write_gguf
 
 from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig
+from inferd.engine import core
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.ngram import lookup
 from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens, probe_interval
 
 KV = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def fixed_speculation_costs(monkeypatch):
+    """These tests are about what verification gives, not about when it pays: the engines they
+    build price verification and the proposer as fixed and cheap. Measured (the engine's start-up
+    calibration, the proposer's time against a tiny model's ~1 ms step), both depend on the
+    machine's load, and a policy that rightly finds speculation too dear for a tiny model would
+    leave nothing to check. The policy's own tests build `SpecPolicy` directly."""
+    fixed = ({1: 0.02, 64: 0.5}, {})
+    monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: fixed)
+    monkeypatch.setattr(core, "SpecPolicy", _FixedCostPolicy)
+
+
+class _FixedCostPolicy(SpecPolicy):
+    def record_proposer_time(self, *args) -> None:
+        pass  # the proposer stays free
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +271,66 @@ def test_policy_starts_new_sequences_at_what_recent_drafts_were_worth():
         policy.record(first, 3, 3)
     later = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
     assert policy.depths([later], batch_size=1) == [3]
+
+
+def test_policy_prices_each_depth_as_measured():
+    """Verification's forward cost by depth (not a price per draft) and the proposer's time as a
+    fixed part plus a part per depth, fitted from what it took at each depth."""
+    flat = SpecPolicy(3, None, {1: [0.05, 0.10, 0.15]})
+    steep = SpecPolicy(3, None, {1: [0.02, 0.10, 0.60]})  # a third draft row costs far more
+    assert flat.forward_cost(1, 2) == pytest.approx(0.10)
+    assert steep.forward_cost(1, 3) == pytest.approx(0.60)
+    seq = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))
+    assert flat.depths([seq], batch_size=1) == [3]  # a = 0.7: deeper pays while rows are cheap
+    assert steep.depths([seq], batch_size=1) == [2]
+    assert SpecPolicy(3, None, {1: 0.05}).forward_cost(1, 3) == pytest.approx(0.15)  # per draft
+    # The proposer: nothing measured, free; one depth, proportional; several, a line.
+    assert flat.proposer_cost(3) == 0.0
+    flat.record_proposer_time(0.08, 2, 1.0)  # (0.02 fixed + 0.03 per depth, not yet known)
+    assert flat.proposer_cost(1) == pytest.approx(0.04)
+    assert flat.proposer_cost(3) == pytest.approx(0.12)
+    for depth in (1, 3, 1, 3):
+        flat.record_proposer_time(0.02 + 0.03 * depth, depth, 1.0)
+    assert flat.proposer_cost(1) == pytest.approx(0.05)
+    assert flat.proposer_cost(3) == pytest.approx(0.11)
+    assert flat.cost(1, 3) == pytest.approx(1 + 0.15 + 0.11)
+    # A fixed part makes going deeper relatively cheaper: at a = 0.5, depth 3 beats depth 1.
+    assert best_depth(0.5, 3, lambda k: 1.0 + 0.3 * (k > 0) + 0.01 * k) == 3
+    assert best_depth(0.5, 3, 0.1) == 2  # the same first draft's price charged per draft
+
+
+def test_policy_shrinks_a_sequence_s_few_verifications_towards_the_others():
+    policy = SpecPolicy(3, disable_by_batch_size=None, verify_cost={1: 0.1})
+    others = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=1000))
+    policy.depths([others], batch_size=1)
+    for _ in range(40):  # everyone else's drafts are mostly accepted
+        policy.record(others, 3, 3)
+    unlucky = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=1000))
+    policy.depths([unlucky], batch_size=1)
+    for _ in range(2):  # its own first two verifications failed
+        policy.record(unlucky, 3, 0)
+    assert unlucky.spec_state.acceptance < 0.3
+    assert policy.acceptance(unlucky.spec_state) > 0.5
+    assert policy.depths([unlucky], batch_size=1) == [3]
+    for _ in range(20):  # a long run of failures outweighs the others
+        policy.record(unlucky, 3, 0)
+    assert policy.depths([unlucky], batch_size=1)[0] < 3
+
+
+def test_calibration_measures_every_depth(tiny_llama_gguf):
+    """The start-up measurement gives F(1..k) per batch size, non-decreasing in the depth and in
+    the batch size, and frees its dummy sequences."""
+    from inferd.spec.calibrate import measure_verify_cost
+
+    engine = _llm(tiny_llama_gguf.path).engine
+    costs, leaf_costs = measure_verify_cost(engine.runner, 3, 16, engine.model_config.vocab_size,
+                                            context=16, repeats=1)  # fmt: skip
+    engine.check_no_leaks()
+    assert sorted(costs) == [1, 4, 16] and leaf_costs == {}
+    for by_depth in costs.values():
+        assert len(by_depth) == 3 and by_depth == sorted(by_depth) and by_depth[0] >= 0.0
+    for small, large in zip(costs.values(), list(costs.values())[1:]):
+        assert all(x <= y for x, y in zip(small, large))
 
 
 def test_policy_probes_less_as_verification_costs_more():

@@ -313,9 +313,9 @@ class EngineCore:
         if starts is not None:
             self._observe(out.scheduled, starts, batch.hidden)
         if self.spec_policy is not None and spec_seqs:
-            drafts = sum(len(s.spec_token_ids) + len(s.spec_leaves) for s in spec_seqs)
-            self.spec_policy.record_proposer_time(propose_seconds, len(spec_seqs), drafts,
-                                                  time.perf_counter() - step_start)  # fmt: skip
+            depth = max(len(s.spec_token_ids) for s in spec_seqs)
+            step_seconds = time.perf_counter() - step_start
+            self.spec_policy.record_proposer_time(propose_seconds, depth, step_seconds)
         for seq in spec_seqs:
             seq.set_drafts([])
         self._refresh_stats()

@@ -1,10 +1,11 @@
 """Start-up measurement of what verification costs: the target's forward for B decoding sequences
-with 1 + k query tokens each against 1 each. beta(B) = (t(B, 1 + k) / t(B, 1) - 1) / k is the
-extra cost of one draft token per sequence in units of a plain decode step (inferd.spec.policy).
-With draft-tree leaves, their own cost per leaf row on top of the chain's is measured the same
-way: (t(B, 1 + k + L) / t(B, 1 + k) - 1) * (1 + k beta) / L. It is not beta: on a CPU the first
-few rows ride along with the weights' stream, the next ones are paid in FLOPs (fp32 here: 0.04
-of a step per draft at 1 + 3 rows, ~0.15 per leaf past them)."""
+with 1 + j query tokens each against 1 each, for every depth j up to k. F(B, j) = t(B, 1 + j) /
+t(B, 1) - 1 is the extra cost of j drafts per sequence in units of a plain decode step
+(inferd.spec.policy). It is measured per depth because it is not linear in j: on a CPU the first
+extra rows ride along with the weights' stream and the next ones are paid in FLOPs (fp32, batch 1
+here: ~0.02 of a step for 1 draft, ~0.12 for 2 or 3). With draft-tree leaves, their own cost per
+leaf row on top of the chain's is measured the same way: (t(B, 1 + k + L) / t(B, 1 + k) - 1) *
+(1 + F(B, k)) / L (fp32 here: ~0.15 per leaf past the chain's rows)."""
 
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ def _seconds(runner: ModelRunner, out: SchedulerOutput) -> float:
     return time.perf_counter() - start
 
 
-def measure_verify_cost(runner: ModelRunner, k: int, max_batch: int, vocab_size: int,
-                        context: int = 128, repeats: int = 3,
-                        leaves: int = 0) -> tuple[dict[int, float], dict[int, float]]:  # fmt: skip
-    """beta per batch size, for the sizes the KV pool has room for (dummy sequences, freed after).
-    Plain and verification steps alternate and the median ratio is kept, so that load from other
-    processes hits both sides alike; beta is made non-decreasing in the batch size. Second: with
-    `leaves` > 0, the cost of one leaf row by batch size (verifications of k drafts and `leaves`
-    leaves against k drafts alone), else empty."""
+def measure_verify_cost(
+    runner: ModelRunner, k: int, max_batch: int, vocab_size: int, context: int = 128,
+    repeats: int = 3, leaves: int = 0,
+) -> tuple[dict[int, list[float]], dict[int, float]]:  # fmt: skip
+    """F per batch size: [F(1), ..., F(k)], for the sizes the KV pool has room for (dummy
+    sequences, freed after). Plain and verification steps alternate and the median ratio is kept,
+    so that load from other processes hits both sides alike; F is made non-decreasing in the
+    depth and in the batch size. Second: with `leaves` > 0, the cost of one leaf row by batch size
+    (verifications of k drafts and `leaves` leaves against k drafts alone), else empty."""
     kv = runner.kv
     gen = torch.Generator().manual_seed(0)
-    costs: dict[int, float] = {}
+    costs: dict[int, list[float]] = {}
     leaf_costs: dict[int, float] = {}
     seqs: list[Sequence] = []
+    drafts: dict[int, list[int]] = {}
     try:
         for size in BATCH_SIZES:
             if size > max_batch:
@@ -54,15 +57,22 @@ def measure_verify_cost(runner: ModelRunner, k: int, max_batch: int, vocab_size:
                     kv.free(seq.seq_id)
                     return costs, leaf_costs  # the pool is smaller than this batch: as measured
                 seq.num_computed_tokens = context - 1
-                seq.set_drafts(tokens[context:])
+                drafts[seq.seq_id] = tokens[context:]
                 seqs.append(seq)
             batch = seqs[:size]
             plain = SchedulerOutput([(s, 1) for s in batch])
-            verify = SchedulerOutput([(s, 1 + k) for s in batch])
-            runner.execute(verify)  # warm-up
-            ratios = [_seconds(runner, verify) / _seconds(runner, plain) for _ in range(repeats)]
-            beta = max(0.0, (statistics.median(ratios) - 1.0) / k)
-            costs[size] = max([beta, *costs.values()])
+            below = costs[max(costs)] if costs else [0.0] * k  # the next smaller batch's
+            by_depth: list[float] = []
+            for j in range(1, k + 1):
+                for s in batch:
+                    s.set_drafts(drafts[s.seq_id][:j])
+                verify = SchedulerOutput([(s, 1 + j) for s in batch])
+                runner.execute(verify)  # warm-up
+                ratios = [_seconds(runner, verify) / _seconds(runner, plain)
+                          for _ in range(repeats)]  # fmt: skip
+                f = max(0.0, statistics.median(ratios) - 1.0, below[j - 1], *by_depth[-1:])
+                by_depth.append(f)
+            costs[size] = by_depth
             fresh = [s for s in batch if s.seq_id not in kv.scratch]
             if leaves and all(kv.allocate_scratch(s.seq_id, leaves) for s in fresh):
                 for s in batch:
@@ -78,15 +88,17 @@ def measure_verify_cost(runner: ModelRunner, k: int, max_batch: int, vocab_size:
                         s.spec_leaves = leaves_of
                 for s in batch:
                     s.spec_leaves = []
-                per_leaf = max(0.0, (statistics.median(ratios) - 1.0) * (1.0 + k * beta) / leaves)
+                extra = statistics.median(ratios) - 1.0
+                per_leaf = max(0.0, extra * (1.0 + by_depth[-1]) / leaves)
                 leaf_costs[size] = max([per_leaf, *leaf_costs.values()])
     finally:
         for s in seqs:
             s.spec_leaves = []
             kv.free(s.seq_id)
         runner.release_kv_pages()
-    logger.info("speculation: verification cost per draft token by batch size: %s",
-                ", ".join(f"{b}: {c:.2f}" for b, c in costs.items()))  # fmt: skip
+    by_size = (f"{b}: {'/'.join(f'{f:.2f}' for f in c)}" for b, c in costs.items())
+    logger.info("speculation: verification cost of 1..%d drafts by batch size: %s", k,
+                ", ".join(by_size))  # fmt: skip
     if leaf_costs:
         logger.info("speculation: per draft-tree leaf: %s",
                     ", ".join(f"{b}: {c:.2f}" for b, c in leaf_costs.items()))  # fmt: skip

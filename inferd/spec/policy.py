@@ -1,19 +1,27 @@
 """How many draft tokens each sequence verifies this step, and when speculation stops paying.
 
 A verification step of 1 + k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average when
-each draft is accepted with probability a (the sequence's running acceptance rate), and costs
-1 + (beta + delta) * k plain decode steps, where
-- beta: the extra cost of one more query token per sequence in the target's forward at the
-  current batch size — nearly 0 at batch 1 on a memory-bound machine, towards 1 when the batch is
-  large enough to be compute-bound (measured at start-up, inferd.spec.calibrate);
-- delta: what the proposer spends per draft token, relative to a target step (measured online).
+each draft is accepted with probability a, and costs 1 + F(k) + P(k) plain decode steps, where
+- F(k): the target's forward with k more query rows per sequence at the current batch size,
+  measured at start-up for every depth (inferd.spec.calibrate). It is not linear in k: on a CPU
+  the first extra rows ride along with the weights' stream and later ones are paid in FLOPs (fp32
+  at batch 1 here: 2 rows cost 1.00-1.03 plain steps, 3 and 4 rows 1.07-1.14, as the machine's
+  speed moves), towards k when the batch is large enough to be compute-bound;
+- P(k): what the proposer spends drafting k tokens, relative to a step, measured online as a
+  fixed part (a call's own work) plus a part per depth (the learned head: 0.2 + 0.27 ms per depth
+  on a ~10 ms fp32 step). Charging the fixed part per draft, as a cost per token would, makes
+  depth 1 look cheap and depth 3 dear, the reverse of the truth.
+a is the sequence's running acceptance rate, shrunk towards what recent drafts of every sequence
+were worth: a few verifications are a noisy estimate, and a sequence that just failed twice
+usually does not stay worse than the rest (on chat with the learned head, choosing k from its own
+last few verifications alone ran ~5-8 % slower than always verifying 3).
 Each sequence takes the k in [0, k_max] that maximizes E(k) / cost(k); k = 0 (plain decoding)
 wins by itself when the batch grows or acceptance drops, and a sequence at k = 0 probes with one
 draft now and then so that its estimate can recover. `disable_by_batch_size` overrides the
 batch-size side: no speculation while more sequences than that decode.
 
 A draft tree (`draft_topk` > 1: w = draft_topk - 1 leaves at each of the k depths) adds w * k rows
-at a leaf row's own measured cost lambda (not beta: on a CPU a step's first rows ride along with
+at a leaf row's own measured cost lambda (not F's: on a CPU a step's first rows ride along with
 the weights' stream and the later ones are paid in FLOPs); the leaves pay when the chain stops
 before its end (1 - a^k) and a leaf at that depth is the target's token (h, the leaves' running
 hit rate across sequences): a sequence verifies leaves when (E(k) + (1 - a^k) h) /
@@ -24,12 +32,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from inferd.scheduler.sequence import Sequence
 
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.4, 2.0  # a = 0.7 until a sequence has evidence of its own
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
+_POOL_WEIGHT = 4.0  # drafts' worth of the shared estimate added to a sequence's own
+_PROPOSER_DECAY = 0.8  # the proposer's time at each depth: ~5 calls' memory
 _TRUST_PRIOR_BELOW = 0.3  # cost per draft under which a new sequence tries at the prior
 _SHARED_DECAY = 0.98  # the same for the estimate across sequences (~50 verifications' memory)
 _PROBE_EVERY = 8  # steps a sequence at k = 0 waits before trying one draft again
@@ -57,11 +68,15 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_depth(a: float, k_max: int, cost_per_draft: float) -> int:
+def best_depth(a: float, k_max: int, cost: float | Callable[[int], float]) -> int:
+    """The depth maximizing E(k) / cost(k): `cost(k)` the cost of verifying k drafts in plain
+    steps, or a number: each draft costs that much (cost(k) = 1 + cost * k). Plain decoding must
+    win by a margin (ties go to it); between depths the better rate wins."""
+    cost_of = cost if callable(cost) else (lambda k: 1.0 + cost * k)
     best_k, best_rate = 0, 1.0
     for k in range(1, k_max + 1):
-        rate = expected_tokens(a, k) / (1.0 + cost_per_draft * k)
-        if rate > best_rate * 1.02:  # a margin: ties go to plain decoding
+        rate = expected_tokens(a, k) / cost_of(k)
+        if rate > best_rate * (1.02 if best_k == 0 else 1.0):
             best_k, best_rate = k, rate
     return best_k
 
@@ -83,38 +98,85 @@ def probe_interval(cost_per_draft: float, batch_size: int = 1) -> int:
 
 class SpecPolicy:
     def __init__(self, k_max: int, disable_by_batch_size: int | None,
-                 verify_cost: dict[int, float] | None = None, leaf_width: int = 0,
+                 verify_cost: dict[int, float | list[float]] | None = None, leaf_width: int = 0,
                  leaf_cost: dict[int, float] | None = None) -> None:  # fmt: skip
+        """`verify_cost`: by batch size, F(1..k_max) (the forward's extra cost of verifying 1..k_max
+        drafts per sequence, in plain steps), or one number: each draft costs that much."""
         self.k_max = k_max
         self.leaf_width = leaf_width  # leaves per depth of a draft tree (draft_topk - 1)
-        # A leaf row's cost by batch size (inferd.spec.calibrate); none measured: beta's.
+        # A leaf row's cost by batch size (inferd.spec.calibrate); none measured: per draft's.
         self.leaf_cost = dict(sorted((leaf_cost or {}).items()))
         self._leaf_hits, self._leaf_chances = _PRIOR_LEAF_HITS, _PRIOR_LEAF_CHANCES
         self._leaves_off = 0  # verifications since the leaves last paid
         self.disable_by_batch_size = disable_by_batch_size
-        # beta by batch size (sorted keys); empty: assume verification is free.
-        self.verify_cost = dict(sorted((verify_cost or {}).items()))
-        self.proposer_cost = 0.0  # delta, an exponential moving average
+        # F by batch size (sorted keys), one entry per depth 1..k_max; empty: verification is free.
+        self.verify_cost = {
+            b: list(c) if isinstance(c, (list, tuple)) else [c * j for j in range(1, k_max + 1)]
+            for b, c in sorted((verify_cost or {}).items())
+        }
+        # The proposer's time relative to a step, by the deepest chain of its call: a decayed sum
+        # and weight per depth, from which `proposer_cost` fits a fixed part and a part per depth.
+        self._proposer_sum = [0.0] * (k_max + 1)
+        self._proposer_weight = [0.0] * (k_max + 1)
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
 
+    def forward_cost(self, batch_size: int, k: int) -> float:
+        """F(k) at this batch size: the forward's extra cost of k drafts per sequence."""
+        if k <= 0 or not self.verify_cost:
+            return 0.0
+        k = min(k, self.k_max)
+        return _interpolate({b: c[k - 1] for b, c in self.verify_cost.items()}, batch_size)
+
     def beta(self, batch_size: int) -> float:
-        return _interpolate(self.verify_cost, batch_size)
+        """The forward's extra cost per draft at k_max drafts (F(k_max) / k_max)."""
+        return self.forward_cost(batch_size, self.k_max) / self.k_max
+
+    def proposer_cost(self, k: int) -> float:
+        """P(k): the proposer's time for chains of depth k, relative to a step. A line through
+        the depths measured so far (fixed part >= 0, slope >= 0); from one depth alone, all of it
+        per depth (P(k) = k * measured / depth), which never favours deeper chains unmeasured."""
+        if k <= 0:
+            return 0.0
+        pts = [(d, self._proposer_sum[d] / w, w)
+               for d, w in enumerate(self._proposer_weight) if w > 1e-9]  # fmt: skip
+        if not pts:
+            return 0.0
+        if len(pts) == 1:
+            d, r, _ = pts[0]
+            return r * k / d
+        total = sum(w for *_, w in pts)
+        md = sum(d * w for d, _, w in pts) / total
+        mr = sum(r * w for _, r, w in pts) / total
+        var = sum(w * (d - md) ** 2 for d, _, w in pts)
+        slope = max(0.0, sum(w * (d - md) * (r - mr) for d, r, w in pts) / var)
+        fixed = max(0.0, mr - slope * md)
+        return fixed + slope * k
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """A step verifying k drafts per sequence, in plain steps: 1 + F(k) + P(k)."""
+        return 1.0 + self.forward_cost(batch_size, k) + self.proposer_cost(k)
 
     def leaf_beta(self, batch_size: int) -> float:
         return _interpolate(self.leaf_cost, batch_size) if self.leaf_cost else self.beta(batch_size)
+
+    def acceptance(self, state: SpecState) -> float:
+        """The sequence's acceptance rate, shrunk towards every sequence's recent one (itself
+        from the prior until there is evidence)."""
+        pooled = (self._seen_accepted + _PRIOR_ACCEPTED) / (self._seen_tried + _PRIOR_TRIED)
+        return (state.accepted + _POOL_WEIGHT * pooled) / (state.tried + _POOL_WEIGHT)
 
     def depths(self, seqs: list[Sequence], batch_size: int) -> list[int]:
         """k per sequence for this step (0: no drafts); `batch_size`: sequences decoding."""
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
             return [0] * len(seqs)
-        cost = self.beta(batch_size) + self.proposer_cost
-        probe_every = probe_interval(cost, batch_size)
+        costs = [self.cost(batch_size, k) for k in range(self.k_max + 1)]
+        probe_every = probe_interval(costs[1] - 1.0, batch_size)
         ks = []
         for seq in seqs:
             state = seq.spec_state
             if state is None:
-                state = seq.spec_state = self._fresh_state(cost)
-            k = best_depth(state.acceptance, self.k_max, cost)
+                state = seq.spec_state = self._fresh_state(costs[1] - 1.0)
+            k = best_depth(self.acceptance(state), self.k_max, costs.__getitem__)
             if k == 0:
                 state.steps_off += 1
                 if probe_every and state.steps_off % probe_every == 0:
@@ -129,15 +191,14 @@ class SpecPolicy:
         """Leaves per depth for each sequence's chain of k drafts (0: a chain alone)."""
         if not self.leaf_width:
             return [0] * len(seqs)
-        draft_cost = self.beta(batch_size) + self.proposer_cost
         leaf_cost = self.leaf_beta(batch_size)
         h = self._leaf_hits / self._leaf_chances
         widths = []
         for seq, k in zip(seqs, ks):
             pays = False
             if k > 0 and seq.params.greedy:
-                a = seq.spec_state.acceptance
-                tokens, cost = expected_tokens(a, k), 1.0 + draft_cost * k
+                a = self.acceptance(seq.spec_state)
+                tokens, cost = expected_tokens(a, k), self.cost(batch_size, k)
                 with_leaves = (tokens + (1.0 - a**k) * h) / (cost + leaf_cost * self.leaf_width * k)
                 pays = with_leaves > tokens / cost * 1.02
                 if not pays:  # try now and then: the hit rate only moves when leaves are verified
@@ -175,12 +236,13 @@ class SpecPolicy:
         self._seen_accepted = _SHARED_DECAY * self._seen_accepted + num_accepted
         self._seen_tried = _SHARED_DECAY * self._seen_tried + looked_at
 
-    def record_proposer_time(self, seconds: float, num_seqs: int, num_drafts: int, step_seconds: float) -> None:
-        """The proposer took `seconds` for `num_drafts` tokens over `num_seqs` sequences; the step
-        that verified them took `step_seconds`. Per draft, per sequence, relative to the step."""
-        if num_drafts and step_seconds > 0:
-            sample = seconds / step_seconds * num_seqs / num_drafts
-            self.proposer_cost = 0.8 * self.proposer_cost + 0.2 * sample
+    def record_proposer_time(self, seconds: float, depth: int, step_seconds: float) -> None:
+        """The proposer took `seconds` for chains of at most `depth` tokens (for every sequence
+        that speculated); the step that verified them took `step_seconds`."""
+        if 0 < depth <= self.k_max and step_seconds > 0:
+            sums, weights = self._proposer_sum, self._proposer_weight
+            sums[depth] = _PROPOSER_DECAY * sums[depth] + seconds / step_seconds
+            weights[depth] = _PROPOSER_DECAY * weights[depth] + 1.0
 
 
 def _interpolate(costs: dict[int, float], batch_size: int) -> float:
