@@ -370,3 +370,25 @@ def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     head = EagleHead.load(tmp_path / "head", _target(tiny_llama_hf.path))
     assert head.intermediate_size == 64 and head.draft_vocab_size == 100
     assert json.loads((tmp_path / "head" / "train_report.json").read_text())["out"] == report["out"]
+
+
+def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
+    """`--init DIR`: training starts from the saved head's weights and keeps its sizes, so a step
+    at a negligible learning rate gives the same head back, and its first loss is the saved
+    head's, not a fresh one's."""
+    from inferd.spec.train_eagle import EagleRecipe, train_eagle
+
+    def recipe(out: str, lr: float, init: str | None = None) -> EagleRecipe:
+        return EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / out), num_prompts=6,
+                           num_questions=0, eval_prompts=4, max_tokens=8, intermediate_size=64,
+                           kv_cache_memory=8 << 20, draft_vocab_size=0, data_cache=False, init=init,
+                           train=TrainOptions(epochs=3, batch_size=6, unroll=2, lr=lr, log_every=0))  # fmt: skip
+
+    first = train_eagle(recipe("first", 2e-2))
+    again = train_eagle(recipe("again", 1e-12, init=str(tmp_path / "first")))
+    assert again["first_loss"] < 0.8 * first["first_loss"]
+    target = _target(tiny_llama_hf.path)
+    a, b = EagleHead.load(tmp_path / "first", target), EagleHead.load(tmp_path / "again", target)
+    assert b.intermediate_size == 64
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.allclose(x, y, atol=1e-6), name

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from inferd.loader import load_model
 from inferd.loader.default_model import cache_dir
@@ -62,6 +63,7 @@ class EagleRecipe:
     kv_cache_memory: int = 2 << 30  # touched only as used
     draft_vocab_size: int = draft_vocab.DEFAULT_SIZE  # tokens greedy drafting scores; 0: all
     data_cache: bool = True  # keep the generated data (step 1-2) on disk for the next run
+    init: str | None = None  # a saved head to continue training from (its sizes win)
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -197,7 +199,15 @@ def train_eagle(recipe: EagleRecipe) -> dict:
                        dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     lm_weight = fp32.lm_head.weight.detach()  # fp32 [V, H]
     seqs = prepare(data.train, data.train_prompt_lens, lm_weight)
-    head = EagleHead.for_target(fp32, intermediate_size=recipe.intermediate_size)
+    if recipe.init:
+        # Continue from a saved head (another loss, more epochs): its sizes and weights, the
+        # directory and the target checked as the engine checks them.
+        saved = EagleHead.load(recipe.init, fp32)
+        head = EagleHead.for_target(fp32, intermediate_size=saved.intermediate_size)
+        head.load_state_dict(load_file(str(Path(recipe.init).expanduser() / WEIGHTS_FILE)))
+        _log(f"continuing from {recipe.init}")
+    else:
+        head = EagleHead.for_target(fp32, intermediate_size=recipe.intermediate_size)
     _log(f"training a {head.num_parameters() / 1e6:.2f} M-parameter head on {len(seqs.tokens)} "
          f"sequences ({seqs.num_positions} positions)")  # fmt: skip
     losses = train_head(head, seqs, fp32.embed_tokens, lm_weight, recipe.train, _log)
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-fraction", type=float, default=r.sample_fraction)
     p.add_argument("--sample-temperature", type=float, default=r.sample_temperature)
     p.add_argument("--intermediate-size", type=int, default=r.intermediate_size)
+    p.add_argument("--init", default=None,
+                   help="a saved head directory to continue training from (e.g. with another "
+                        "--ce-weight or more epochs); --intermediate-size is then its own")  # fmt: skip
     p.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
                    help="frequent tokens greedy drafting scores (FR-Spec); 0: the whole vocabulary")
     p.add_argument("--epochs", type=float, default=t.epochs)
@@ -287,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                          sample_temperature=a.sample_temperature,
                          intermediate_size=a.intermediate_size,
                          draft_vocab_size=a.draft_vocab_size, data_cache=not a.no_data_cache,
+                         init=a.init,
                          progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     acc = report["acceptance"]
