@@ -41,7 +41,7 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
     # batch-invariant) round differently: both runs get the same fixed costs, so that the layer
     # path is the only thing that differs between them.
     monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: ({1: 0.1, 64: 0.5}, {}))
-    monkeypatch.setattr(SpecPolicy, "record_proposer_time", lambda self, *args: None)
+    monkeypatch.setattr(SpecPolicy, "record_speculation_time", lambda self, *args: None)
     config = {"method": "ngram", "num_speculative_tokens": 3} if spec else None
     llm = LLM(str(path), quantization=quantization, verbose=False, kv_cache_memory=4 << 20,
               speculative_config=config, kv_cache_dtype=kv_cache_dtype)  # fmt: skip

@@ -24,18 +24,18 @@ KV = 1 << 20
 @pytest.fixture(autouse=True)
 def fixed_speculation_costs(monkeypatch):
     """These tests are about what verification gives, not about when it pays: the engines they
-    build price verification and the proposer as fixed and cheap. Measured (the engine's start-up
-    calibration, the proposer's time against a tiny model's ~1 ms step), both depend on the
-    machine's load, and a policy that rightly finds speculation too dear for a tiny model would
-    leave nothing to check. The policy's own tests build `SpecPolicy` directly."""
+    build price verification and drafting as fixed and cheap. Measured (the engine's start-up
+    calibration, drafting's and verifying's time against a tiny model's ~1 ms step), both depend
+    on the machine's load, and a policy that rightly finds speculation too dear for a tiny model
+    would leave nothing to check. The policy's own tests build `SpecPolicy` directly."""
     fixed = ({1: 0.02, 64: 0.5}, {})
     monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: fixed)
     monkeypatch.setattr(core, "SpecPolicy", _FixedCostPolicy)
 
 
 class _FixedCostPolicy(SpecPolicy):
-    def record_proposer_time(self, *args) -> None:
-        pass  # the proposer stays free
+    def record_speculation_time(self, *args) -> None:
+        pass  # drafting and its bookkeeping stay free
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +274,9 @@ def test_policy_starts_new_sequences_at_what_recent_drafts_were_worth():
 
 
 def test_policy_prices_each_depth_as_measured():
-    """Verification's forward cost by depth (not a price per draft) and the proposer's time as a
-    fixed part plus a part per depth, fitted from what it took at each depth."""
+    """Verification's forward cost by depth (not a price per draft), and speculation's own time
+    (drafting, the verification's bookkeeping) as a fixed part plus a part per depth, fitted
+    from what it took at each depth."""
     flat = SpecPolicy(3, None, {1: [0.05, 0.10, 0.15]})
     steep = SpecPolicy(3, None, {1: [0.02, 0.10, 0.60]})  # a third draft row costs far more
     assert flat.forward_cost(1, 2) == pytest.approx(0.10)
@@ -284,15 +285,15 @@ def test_policy_prices_each_depth_as_measured():
     assert flat.depths([seq], batch_size=1) == [3]  # a = 0.7: deeper pays while rows are cheap
     assert steep.depths([seq], batch_size=1) == [2]
     assert SpecPolicy(3, None, {1: 0.05}).forward_cost(1, 3) == pytest.approx(0.15)  # per draft
-    # The proposer: nothing measured, free; one depth, proportional; several, a line.
-    assert flat.proposer_cost(3) == 0.0
-    flat.record_proposer_time(0.08, 2, 1.0)  # (0.02 fixed + 0.03 per depth, not yet known)
-    assert flat.proposer_cost(1) == pytest.approx(0.04)
-    assert flat.proposer_cost(3) == pytest.approx(0.12)
+    # Speculation's own time: nothing measured, free; one depth, proportional; several, a line
+    assert flat.speculation_cost(3) == 0.0
+    flat.record_speculation_time(0.08, 2, 1.0)  # (0.02 fixed + 0.03 per depth, not yet known)
+    assert flat.speculation_cost(1) == pytest.approx(0.04)
+    assert flat.speculation_cost(3) == pytest.approx(0.12)
     for depth in (1, 3, 1, 3):
-        flat.record_proposer_time(0.02 + 0.03 * depth, depth, 1.0)
-    assert flat.proposer_cost(1) == pytest.approx(0.05)
-    assert flat.proposer_cost(3) == pytest.approx(0.11)
+        flat.record_speculation_time(0.02 + 0.03 * depth, depth, 1.0)
+    assert flat.speculation_cost(1) == pytest.approx(0.05)
+    assert flat.speculation_cost(3) == pytest.approx(0.11)
     assert flat.cost(1, 3) == pytest.approx(1 + 0.15 + 0.11)
     # A fixed part makes going deeper relatively cheaper: at a = 0.5, depth 3 beats depth 1.
     assert best_depth(0.5, 3, lambda k: 1.0 + 0.3 * (k > 0) + 0.01 * k) == 3

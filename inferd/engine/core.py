@@ -309,13 +309,16 @@ class EngineCore:
                 plain_seqs.append(seq)
             row += count
         now_deltas = self._sample_plain(logits, plain_rows, plain_seqs, batch, will_sample, masks)
+        verify_start = time.perf_counter()
         deltas = now_deltas + self._verify(logits, spec_rows, spec_seqs, batch)
+        verify_seconds = time.perf_counter() - verify_start
         if starts is not None:
             self._observe(out.scheduled, starts, batch.hidden)
         if self.spec_policy is not None and spec_seqs:
             depth = max(len(s.spec_token_ids) for s in spec_seqs)
             step_seconds = time.perf_counter() - step_start
-            self.spec_policy.record_proposer_time(propose_seconds, depth, step_seconds)
+            own = propose_seconds + verify_seconds  # speculation's own work beyond the forward
+            self.spec_policy.record_speculation_time(own, depth, step_seconds)
         for seq in spec_seqs:
             seq.set_drafts([])
         self._refresh_stats()

@@ -7,10 +7,13 @@ each draft is accepted with probability a, and costs 1 + F(k) + P(k) plain decod
   the first extra rows ride along with the weights' stream and later ones are paid in FLOPs (fp32
   at batch 1 here: 2 rows cost 1.00-1.03 plain steps, 3 and 4 rows 1.07-1.14, as the machine's
   speed moves), towards k when the batch is large enough to be compute-bound;
-- P(k): what the proposer spends drafting k tokens, relative to a step, measured online as a
-  fixed part (a call's own work) plus a part per depth (the learned head: 0.2 + 0.27 ms per depth
-  on a ~10 ms fp32 step). Charging the fixed part per draft, as a cost per token would, makes
-  depth 1 look cheap and depth 3 dear, the reverse of the truth.
+- P(k): speculation's own work for chains of depth k, relative to a step, measured online: the
+  proposer drafting them and the verification's bookkeeping (acceptance, the rejected drafts'
+  KV rolled back), as a fixed part per step plus a part per depth (the learned head drafts in
+  0.2 + 0.27 ms per depth on a ~10 ms fp32 step; the bookkeeping is ~0.2 ms more). Charging the
+  fixed part per draft, as a cost per token would, makes depth 1 look cheap and depth 3 dear,
+  the reverse of the truth; leaving the bookkeeping out made speculating look free on the GGUF,
+  where it cost 6 %.
 a is the sequence's running acceptance rate, shrunk towards what recent drafts of every sequence
 were worth: a few verifications are a noisy estimate, and a sequence that just failed twice
 usually does not stay worse than the rest (on chat with the learned head, choosing k from its own
@@ -114,8 +117,8 @@ class SpecPolicy:
             b: list(c) if isinstance(c, (list, tuple)) else [c * j for j in range(1, k_max + 1)]
             for b, c in sorted((verify_cost or {}).items())
         }
-        # The proposer's time relative to a step, by the deepest chain of its call: a decayed sum
-        # and weight per depth, from which `proposer_cost` fits a fixed part and a part per depth.
+        # Speculation's own time relative to a step, by the step's deepest chain: a decayed sum
+        # and weight per depth, from which `speculation_cost` fits a fixed part and a per-depth one.
         self._proposer_sum = [0.0] * (k_max + 1)
         self._proposer_weight = [0.0] * (k_max + 1)
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
@@ -131,8 +134,8 @@ class SpecPolicy:
         """The forward's extra cost per draft at k_max drafts (F(k_max) / k_max)."""
         return self.forward_cost(batch_size, self.k_max) / self.k_max
 
-    def proposer_cost(self, k: int) -> float:
-        """P(k): the proposer's time for chains of depth k, relative to a step. A line through
+    def speculation_cost(self, k: int) -> float:
+        """P(k): speculation's own time for chains of depth k, relative to a step. A line through
         the depths measured so far (fixed part >= 0, slope >= 0); from one depth alone, all of it
         per depth (P(k) = k * measured / depth), which never favours deeper chains unmeasured."""
         if k <= 0:
@@ -154,7 +157,7 @@ class SpecPolicy:
 
     def cost(self, batch_size: int, k: int) -> float:
         """A step verifying k drafts per sequence, in plain steps: 1 + F(k) + P(k)."""
-        return 1.0 + self.forward_cost(batch_size, k) + self.proposer_cost(k)
+        return 1.0 + self.forward_cost(batch_size, k) + self.speculation_cost(k)
 
     def leaf_beta(self, batch_size: int) -> float:
         return _interpolate(self.leaf_cost, batch_size) if self.leaf_cost else self.beta(batch_size)
@@ -236,9 +239,9 @@ class SpecPolicy:
         self._seen_accepted = _SHARED_DECAY * self._seen_accepted + num_accepted
         self._seen_tried = _SHARED_DECAY * self._seen_tried + looked_at
 
-    def record_proposer_time(self, seconds: float, depth: int, step_seconds: float) -> None:
-        """The proposer took `seconds` for chains of at most `depth` tokens (for every sequence
-        that speculated); the step that verified them took `step_seconds`."""
+    def record_speculation_time(self, seconds: float, depth: int, step_seconds: float) -> None:
+        """Drafting chains of at most `depth` tokens (for every sequence that speculated) and
+        verifying them took `seconds` beyond the forward; the step took `step_seconds`."""
         if 0 < depth <= self.k_max and step_seconds > 0:
             sums, weights = self._proposer_sum, self._proposer_weight
             sums[depth] = _PROPOSER_DECAY * sums[depth] + seconds / step_seconds
