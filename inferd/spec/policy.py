@@ -43,7 +43,7 @@ from inferd.scheduler.sequence import Sequence
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.4, 2.0  # a = 0.7 until a sequence has evidence of its own
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
 _POOL_WEIGHT = 4.0  # drafts' worth of the shared estimate added to a sequence's own
-_PROPOSER_DECAY = 0.8  # the proposer's time at each depth: ~5 calls' memory
+_SPEC_TIME_DECAY = 0.8  # speculation's own time at each depth: ~5 steps' memory
 _TRUST_PRIOR_BELOW = 0.3  # cost per draft under which a new sequence tries at the prior
 _SHARED_DECAY = 0.98  # the same for the estimate across sequences (~50 verifications' memory)
 _PROBE_EVERY = 8  # steps a sequence at k = 0 waits before trying one draft again
@@ -119,8 +119,9 @@ class SpecPolicy:
         }
         # Speculation's own time relative to a step, by the step's deepest chain: a decayed sum
         # and weight per depth, from which `speculation_cost` fits a fixed part and a per-depth one.
-        self._proposer_sum = [0.0] * (k_max + 1)
-        self._proposer_weight = [0.0] * (k_max + 1)
+        self._spec_time_sum = [0.0] * (k_max + 1)
+        self._spec_time_weight = [0.0] * (k_max + 1)
+        self._spec_time_line: tuple[float, float] | None = None  # (fixed, per depth), once fitted
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
 
     def forward_cost(self, batch_size: int, k: int) -> float:
@@ -140,20 +141,25 @@ class SpecPolicy:
         per depth (P(k) = k * measured / depth), which never favours deeper chains unmeasured."""
         if k <= 0:
             return 0.0
-        pts = [(d, self._proposer_sum[d] / w, w)
-               for d, w in enumerate(self._proposer_weight) if w > 1e-9]  # fmt: skip
+        if self._spec_time_line is None:
+            self._spec_time_line = self._fit_spec_time()
+        fixed, per_depth = self._spec_time_line
+        return fixed + per_depth * k
+
+    def _fit_spec_time(self) -> tuple[float, float]:
+        pts = [(d, self._spec_time_sum[d] / w, w)
+               for d, w in enumerate(self._spec_time_weight) if w > 1e-9]  # fmt: skip
         if not pts:
-            return 0.0
+            return 0.0, 0.0
         if len(pts) == 1:
             d, r, _ = pts[0]
-            return r * k / d
+            return 0.0, r / d
         total = sum(w for *_, w in pts)
         md = sum(d * w for d, _, w in pts) / total
         mr = sum(r * w for _, r, w in pts) / total
         var = sum(w * (d - md) ** 2 for d, _, w in pts)
         slope = max(0.0, sum(w * (d - md) * (r - mr) for d, r, w in pts) / var)
-        fixed = max(0.0, mr - slope * md)
-        return fixed + slope * k
+        return max(0.0, mr - slope * md), slope
 
     def cost(self, batch_size: int, k: int) -> float:
         """A step verifying k drafts per sequence, in plain steps: 1 + F(k) + P(k)."""
@@ -243,9 +249,10 @@ class SpecPolicy:
         """Drafting chains of at most `depth` tokens (for every sequence that speculated) and
         verifying them took `seconds` beyond the forward; the step took `step_seconds`."""
         if 0 < depth <= self.k_max and step_seconds > 0:
-            sums, weights = self._proposer_sum, self._proposer_weight
-            sums[depth] = _PROPOSER_DECAY * sums[depth] + seconds / step_seconds
-            weights[depth] = _PROPOSER_DECAY * weights[depth] + 1.0
+            sums, weights = self._spec_time_sum, self._spec_time_weight
+            sums[depth] = _SPEC_TIME_DECAY * sums[depth] + seconds / step_seconds
+            weights[depth] = _SPEC_TIME_DECAY * weights[depth] + 1.0
+            self._spec_time_line = None  # refitted when next asked
 
 
 def _interpolate(costs: dict[int, float], batch_size: int) -> float:
