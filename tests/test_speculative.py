@@ -115,6 +115,39 @@ def test_greedy_outputs_identical_on_a_narrow_kv_cache(tiny_llama_gguf, kv_cache
     llm.engine.check_no_leaks()
 
 
+def test_acceptance_counted_by_chain_position(tiny_llama_gguf):
+    """The engine's per-position counts (vLLM's num_accepted_tokens_per_pos): drafts verified
+    and accepted at each depth of the chain, consistent with the totals."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = _llm(tiny_llama_gguf.path, spec)
+    _run(llm)
+    s = llm.engine.get_stats()
+    proposed, taken = s.spec_draft_tokens_per_position, s.spec_accepted_per_position
+    assert 0 < len(taken) <= len(proposed) <= 4 and taken[0] > 0
+    assert sum(proposed) == s.spec_draft_tokens and proposed[0] == s.spec_num_drafts
+    assert sum(taken) == s.spec_accepted_tokens
+    assert proposed == sorted(proposed, reverse=True) and taken == sorted(taken, reverse=True)
+    assert s.spec_acceptance_rate_per_position == [t / p for t, p in zip(taken, proposed)]
+
+
+def test_stats_line_shows_acceptance_by_position(caplog):
+    import logging
+    import time
+
+    from inferd.engine.stats import EngineStats, StatsLogger
+
+    stats = EngineStats(spec_method="eagle", spec_num_drafts=10, spec_draft_tokens=25,
+                        spec_accepted_tokens=9, spec_emitted_tokens=19,
+                        spec_draft_tokens_per_position=[10, 10, 5],
+                        spec_accepted_per_position=[6, 2, 1])  # fmt: skip
+    log = StatsLogger(interval=0.01)
+    time.sleep(0.02)
+    with caplog.at_level(logging.INFO, logger="inferd.engine"):
+        log.maybe_log(stats)
+    assert "mean acceptance length 1.90" in caplog.text
+    assert "acceptance rate 36.0% (by position: 60%, 20%, 20%)" in caplog.text
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_same", "draft_other"])
 @pytest.mark.parametrize("kv_bytes", [KV, 48 << 10])  # the small pool forces preemption
 def test_greedy_outputs_identical(tiny_llama_gguf, draft_gguf, reference, method, kv_bytes):

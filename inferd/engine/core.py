@@ -375,6 +375,9 @@ class EngineCore:
             stats.spec_accepted_tokens += res.num_accepted
             stats.spec_leaf_tokens += len(seq.spec_leaves)
             stats.spec_accepted_leaves += res.leaf is not None
+            _count_positions(stats.spec_draft_tokens_per_position, k)
+            # (an accepted leaf counts at its depth)
+            _count_positions(stats.spec_accepted_per_position, res.num_accepted)
             delta = self._append_tokens(seq, res.token_ids, res.logprobs, now)
             stats.spec_emitted_tokens += len(delta.new_token_ids)
             stats.generation_tokens_total += len(delta.new_token_ids)
@@ -602,3 +605,11 @@ class EngineCore:
         assert self.kv.pool.num_free == self.kv.pool.num_blocks, (
             f"{self.kv.pool.num_blocks - self.kv.pool.num_free} KV blocks leaked"
         )
+
+
+def _count_positions(counts: list[int], n: int) -> None:
+    """One more at each of the positions 0 .. n - 1, the list grown as needed."""
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 logger = logging.getLogger("inferd.engine")
 
@@ -35,6 +35,10 @@ class EngineStats:
     # Of those, the leaves of draft trees (eagle's draft_topk > 1) verified and accepted.
     spec_leaf_tokens: int = 0
     spec_accepted_leaves: int = 0
+    # By position in the chain (0: the first draft): drafts verified there and accepted there
+    # (vLLM's num_accepted_tokens_per_pos), to see how deep drafting pays.
+    spec_draft_tokens_per_position: list[int] = field(default_factory=list)
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -49,6 +53,11 @@ class EngineStats:
     def spec_mean_acceptance_length(self) -> float:
         """Tokens per verification step (accepted drafts + 1), vLLM's "mean acceptance length"."""
         return self.spec_emitted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
+    def spec_acceptance_rate_per_position(self) -> list[float]:
+        pairs = zip(self.spec_accepted_per_position, self.spec_draft_tokens_per_position)
+        return [a / d if d else 0.0 for a, d in pairs]
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -87,8 +96,9 @@ class StatsLogger:
             if stats.spec_method:
                 logger.info(
                     "Speculative decoding (%s): mean acceptance length %.2f, acceptance rate "
-                    "%.1f%%, drafts %d, draft tokens %d, accepted %d",
+                    "%.1f%% (by position: %s), drafts %d, draft tokens %d, accepted %d",
                     stats.spec_method, stats.spec_mean_acceptance_length,
-                    100 * stats.spec_acceptance_rate, stats.spec_num_drafts,
-                    stats.spec_draft_tokens, stats.spec_accepted_tokens,
+                    100 * stats.spec_acceptance_rate,
+                    ", ".join(f"{100 * r:.0f}%" for r in stats.spec_acceptance_rate_per_position),
+                    stats.spec_num_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens,
                 )  # fmt: skip

@@ -136,6 +136,19 @@ class _EngineGauges(Collector):
                 c = CounterMetricFamily(f"inferd:{name}", doc, labels=["model_name", "method"])
                 c.add_metric([self.model_name, s.spec_method], value)
                 yield c
+            for name, doc, values in (
+                ("spec_decode_num_draft_tokens_per_pos",
+                 "Draft tokens verified at each chain position (0: the first draft).",
+                 s.spec_draft_tokens_per_position),
+                ("spec_decode_num_accepted_tokens_per_pos",
+                 "Draft tokens accepted at each chain position (0: the first draft).",
+                 s.spec_accepted_per_position),
+            ):  # fmt: skip
+                by_position = ["model_name", "method", "position"]
+                c = CounterMetricFamily(f"inferd:{name}", doc, labels=by_position)
+                for position, value in enumerate(values):
+                    c.add_metric([self.model_name, s.spec_method, str(position)], value)
+                yield c
             g = GaugeMetricFamily("inferd:spec_decode_mean_acceptance_length",
                                   "Tokens per verification step since start (accepted drafts + 1).",
                                   labels=["model_name", "method"])  # fmt: skip
