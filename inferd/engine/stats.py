@@ -59,7 +59,7 @@ class EngineStats:
         pairs = zip(self.spec_accepted_per_position, self.spec_draft_tokens_per_position)
         return [a / d if d else 0.0 for a, d in pairs]
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | str | list[int]]:
         return asdict(self)
 
 
