@@ -462,9 +462,9 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     verification), equal to those computed offline from the whole sequence; a prompt prefix
     served from the prefix cache is left out (the cache starts after it), and nothing is left
     behind once requests end."""
+    from inferd.spec.eagle import _MAX_PENDING
     from inferd.spec.eagle_data import target_hidden_states
     from inferd.spec.eagle_head import EagleHead
-
     from inferd.spec.eagle_train_core import TrainOptions, prepare, train_head
 
     plain = _llm(tiny_llama_gguf.path)
@@ -486,12 +486,32 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     engine = llm.engine
     checked = []
 
-    def run(request_id: str) -> None:
+    depths = engine.spec_policy.depths
+    quiet_steps = {"left": 0}
+
+    def depths_after_quiet(seqs, batch_size):
+        # While `left` > 0 no sequence speculates: the head's caches are not fed, and the rows
+        # wait until the next draft feeds them all in one pass.
+        ks = depths(seqs, batch_size)
+        if quiet_steps["left"] > 0:
+            quiet_steps["left"] -= 1
+            return [0] * len(ks)
+        return ks
+
+    engine.spec_policy.depths = depths_after_quiet
+
+    def run(request_id: str, quiet: int = 0) -> None:
+        quiet_steps["left"] = quiet
         engine.add_request(request_id, prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
             for seq in engine.scheduler.running:
                 cache = engine.proposer.caches.get(seq.seq_id)
+                pending = engine.proposer.pending.get(seq.seq_id)
+                # Nothing the target computed is missing: in the cache, or waiting for it.
+                covered = pending.end if pending is not None else cache.end if cache else 0
+                assert covered >= seq.num_computed_tokens - 1
+                assert pending is None or pending.end - pending.start < _MAX_PENDING  # bounded
                 if cache is None:
                     continue
                 n = cache.end
@@ -501,15 +521,20 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
                 kc, vc = cache.keys()
                 torch.testing.assert_close(kc, k[cache.lo :], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(vc, v[cache.lo :], rtol=1e-4, atol=1e-4)
-                assert n >= seq.num_computed_tokens - 1  # nothing the target computed is missing
                 checked.append((request_id, cache.lo, n))
 
     run("first")
     run("second")  # the same prompt: its first full blocks come from the prefix cache
+    # Nothing drafts in the third's first 10 steps (3 prompt chunks, 7 decodes): its cache is
+    # first fed on its first draft, with the prompt and those decodes at once.
+    engine.reset_prefix_cache()
+    run("third", quiet=10)
     firsts = [c for c in checked if c[0] == "first"]
     seconds = [c for c in checked if c[0] == "second"]
+    thirds = [c[2] for c in checked if c[0] == "third"]
     assert firsts and all(lo == 0 for _, lo, _ in firsts)
     assert seconds and all(lo > 0 and lo % engine.kv.block_size == 0 for _, lo, _ in seconds)
+    assert thirds and thirds[0] >= len(prompt) + 7
     stats = engine.get_stats()
     # Verifications kept several rows, and rejected some (both paths of the bookkeeping ran).
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens

@@ -9,10 +9,18 @@ Per sequence the proposer keeps the head's keys and values of every position the
 rows: prompt chunks, plain decodes, the accepted part of verifications). Positions the target did
 not compute for this sequence (a prompt prefix served from the prefix cache) are not in it: the
 head then attends over the positions it has.
+
+Observing is deferred until the sequence drafts: `observe` only keeps the step's hidden states
+(`_Pending`), and `propose` feeds the chosen sequences' caches first, in one batched pass. A step
+where the policy lets no sequence speculate (a large batch, a head that does not pay on this
+model) then costs what it costs without speculation: feeding the caches there was 0.17 ms of a
+2.8 ms `-q auto` step. A sequence that keeps not speculating has its rows fed `_MAX_PENDING` at a
+time, so what it holds stays bounded and the head's weights are read once per batch of rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +34,36 @@ if TYPE_CHECKING:
     from inferd.engine.core import EngineCore
 
 
+# Rows a sequence may hold unobserved before they are fed anyway (2.3 KB each at the default
+# model's hidden size).
+_MAX_PENDING = 64
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Positions [start, end) of one sequence that the head's cache has not seen yet: the
+    target's hidden states there and the token after each."""
+
+    start: int
+    end: int
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    nexts: list[int] = field(default_factory=list)
+
+    def add(self, start: int, hidden: torch.Tensor, nexts: list[int]) -> bool:
+        """Append rows from `start`; False when they do not continue (or rewrite) these."""
+        if not self.start <= start <= self.end:
+            return False
+        if start < self.end:  # recomputed positions (after a preemption) replace the old rows
+            keep = start - self.start
+            rows = torch.cat(self.hidden)[:keep]
+            self.hidden = [rows] if keep else []
+            del self.nexts[keep:]
+        self.hidden.append(hidden)
+        self.nexts.extend(nexts)
+        self.end = start + len(hidden)
+        return True
+
+
 class EagleProposer(Proposer):
     method = "eagle"
     needs_hidden = True
@@ -37,22 +75,45 @@ class EagleProposer(Proposer):
         # of the head, k times per target step; drafts are only proposals, verification decides.
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
         self.caches: dict[int, DraftCache] = {}
+        self.pending: dict[int, _Pending] = {}  # by sequence: rows not yet in its cache
 
     @torch.inference_mode()  # as propose: the caches' buffers are inference tensors
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
-        head = self.head
-        rows = torch.cat(hidden)
-        positions = torch.cat([torch.arange(s, s + len(h)) for s, h in zip(starts, hidden)])
-        # The token after each position: all known once the step's tokens are appended.
-        nexts = [t for seq, s, h in zip(seqs, starts, hidden) for t in seq.token_ids[s + 1 : s + 1 + len(h)]]
-        x, k, v = head.cache_entries(rows, torch.tensor(nexts, device=rows.device), positions.to(rows.device))
-        at = 0
+        full = []
         for seq, start, h in zip(seqs, starts, hidden):
-            n = len(h)
+            # The token after each position: all known once the step's tokens are appended. The
+            # rows are copied: the step's buffer is the next step's.
+            nexts = seq.token_ids[start + 1 : start + 1 + len(h)]
+            pending = self.pending.get(seq.seq_id)
+            if pending is not None and not pending.add(start, h.clone(), nexts):
+                self._feed([seq])  # a gap: what came before goes in first
+                pending = None
+            if pending is None:
+                pending = _Pending(start, start + len(h), [h.clone()], nexts)
+                self.pending[seq.seq_id] = pending
+            if pending.end - pending.start >= _MAX_PENDING:
+                full.append(seq)
+        if full:
+            self._feed(full)
+
+    @torch.inference_mode()
+    def _feed(self, seqs: list[Sequence]) -> None:
+        """Write the pending rows of `seqs` into their caches, all in one pass of the head."""
+        todo = [(seq, p) for seq in seqs if (p := self.pending.pop(seq.seq_id, None)) is not None]
+        if not todo:
+            return
+        head = self.head
+        rows = torch.cat([h for _, p in todo for h in p.hidden])
+        positions = torch.cat([torch.arange(p.start, p.end) for _, p in todo]).to(rows.device)
+        nexts = torch.tensor([t for _, p in todo for t in p.nexts], device=rows.device)
+        x, k, v = head.cache_entries(rows, nexts, positions)
+        at = 0
+        for seq, p in todo:
+            n = p.end - p.start
             cache = self.caches.get(seq.seq_id)
             if cache is None:
                 cache = self.caches[seq.seq_id] = DraftCache(k, head.num_kv_heads, head.head_dim)
-            cache.write(start, x[at : at + n], k[at : at + n], v[at : at + n])
+            cache.write(p.start, x[at : at + n], k[at : at + n], v[at : at + n])
             at += n
 
     @torch.inference_mode()
@@ -60,6 +121,7 @@ class EagleProposer(Proposer):
         # A chain starts at the position before the last token: its entry pairs the target's
         # hidden state there with that token.
         widths = widths or [0] * len(seqs)
+        self._feed(seqs)
         ready = [(s, k, w) for s, k, w in zip(seqs, ks, widths)
                  if (c := self.caches.get(s.seq_id)) is not None and c.end == s.num_tokens - 1]  # fmt: skip
         if not ready:
@@ -77,9 +139,16 @@ class EagleProposer(Proposer):
         cache = self.caches.get(parent.seq_id)
         if cache is not None:
             self.caches[child.seq_id] = cache.copy()
+        pending = self.pending.get(parent.seq_id)
+        if pending is not None:  # the rows are never written to: the child may share them
+            self.pending[child.seq_id] = _Pending(
+                pending.start, pending.end, list(pending.hidden), list(pending.nexts)
+            )
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq.seq_id, None)
+        self.pending.pop(seq.seq_id, None)
 
     def check_no_leaks(self) -> None:
         assert not self.caches, f"draft head caches left for sequences {list(self.caches)}"
+        assert not self.pending, f"unobserved rows left for sequences {list(self.pending)}"
