@@ -102,15 +102,15 @@ def test_batched_drafts_equal_one_cache_at_a_time(target, tmp_path, inference) -
 
 
 def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path) -> None:
-    """`load` swaps in the engine's kernels (fp32: the same drafts; int8 linears: features within
-    int8 rounding) and drops nothing: every weight still takes part."""
+    """`load` swaps in the engine's kernels (fp32: the same drafts; int4 linears: features within
+    int4 rounding) and drops nothing: every weight still takes part."""
     from inferd.layers.quantized_linear import QuantizedLinear
 
     head = _trained_like(target, seed=4, intermediate_size=64)
     path = head.save(tmp_path / "head")
     plain = EagleHead.load(path, target)
-    int8 = EagleHead.load(path, target, quantize=True)
-    assert isinstance(int8.gate_up, QuantizedLinear) and not isinstance(plain.gate_up, QuantizedLinear)
+    int4 = EagleHead.load(path, target, quantize=True)
+    assert isinstance(int4.gate_up, QuantizedLinear) and not isinstance(plain.gate_up, QuantizedLinear)
     seqs = _sequences(3, 20, target.config.vocab_size, seed=5)
     states = target_hidden_states(target, seqs)
     for h, toks in zip(states.hidden, states.tokens):
@@ -118,7 +118,7 @@ def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path) -
         got = plain.draft([_cache_upto(plain, h, toks, 15)], 3, return_logits=True)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
-        q = int8.draft([_cache_upto(int8, h, toks, 15)], 1, return_logits=True)[1]
+        q = int4.draft([_cache_upto(int4, h, toks, 15)], 1, return_logits=True)[1]
         assert torch.nn.functional.cosine_similarity(q[0, 0], want[1][0, 0], dim=0) > 0.99
 
 
@@ -326,10 +326,10 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
         EagleHead.load(path, target)
 
 
-def test_int8_head_on_an_fp32_target_ranks_its_draft_vocab_in_int8(tiny_models, tmp_path) -> None:
-    """The engine's head (int8 linears) over an fp32 target keeps the draft vocabulary's rows of
-    the LM head in int8 too (in fp32 they were most of a draft step): drafts stay in the subset
-    and nearly always are the token the fp32 rows rank first."""
+def test_quantized_head_on_an_fp32_target_ranks_its_draft_vocab_in_int4(tiny_models, tmp_path) -> None:
+    """The engine's head (int4 linears in packed tiles) over an fp32 target keeps the draft
+    vocabulary's rows of the LM head in int4 too (in fp32 they were most of a draft step): drafts
+    stay in the subset and nearly always are the token the fp32 rows rank first."""
     from inferd import LLM
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.spec import draft_vocab
@@ -340,17 +340,21 @@ def test_int8_head_on_an_fp32_target_ranks_its_draft_vocab_in_int8(tiny_models, 
     torch.manual_seed(0)
     path = EagleHead.for_target(target).save(tmp_path / "head")
     v, h = target.config.vocab_size, target.config.hidden_size
-    ids = torch.randperm(v, generator=torch.Generator().manual_seed(2))[:150].sort().values
+    ids = torch.randperm(v, generator=torch.Generator().manual_seed(2))[:160].sort().values
     draft_vocab.save(path, ids)
     head = EagleHead.load(path, target, quantize=True)
-    assert isinstance(head._draft_vocab[1], QuantizedLinear)
+    for linear in (head._draft_vocab[1], head.fc, head.gate_up):
+        assert isinstance(linear, QuantizedLinear)
+        assert (linear.qweight.format, linear.qweight.layout) == ("int4", "tiles")
     fp32_head = EagleHead.load(path, target)
     assert not isinstance(fp32_head._draft_vocab[1], QuantizedLinear)  # its rows stay fp32
     features = torch.randn(400, h, generator=torch.Generator().manual_seed(3))
     got = head.greedy(features)
     fp32 = ids[(features @ target.lm_head.weight[ids].T).argmax(-1)]
     assert torch.isin(got, ids).all()
-    assert (got == fp32).float().mean().item() > 0.9
+    # Random features over a random tiny LM head leave many near-ties for int4's rounding to
+    # flip (0.87 here; int8 kept 0.9+). On the real model the acceptance length moved < 2 %.
+    assert (got == fp32).float().mean().item() > 0.8
 
 
 def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:

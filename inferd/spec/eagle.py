@@ -71,7 +71,7 @@ class EagleProposer(Proposer):
     def __init__(self, engine: EngineCore, spec: SpeculativeConfig) -> None:
         from inferd.spec.eagle_head import EagleHead
 
-        # int8 linears on the CPU (the engine's packed tiles): a draft step streams every weight
+        # int4 linears on the CPU (the engine's packed tiles): a draft step streams every weight
         # of the head, k times per target step; drafts are only proposals, verification decides.
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
         self.caches: dict[int, DraftCache] = {}
