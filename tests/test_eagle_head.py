@@ -396,3 +396,43 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
     assert b.intermediate_size == 64
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.allclose(x, y, atol=1e-6), name
+
+
+@pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
+def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, model) -> None:
+    """The engine's cache entries and greedy chains in C++ (csrc/eagle_draft.h) are the Python
+    head's: the same keys, values and inputs in every cache, the same drafts, the chains' own
+    keys left behind alike; several sequences at different lengths, over an fp32 embedding and a
+    quantized one (the tied GGUF's packed tiles)."""
+    from inferd import LLM
+    from inferd.spec import draft_vocab
+
+    llm = LLM(str(tiny_models[model].path), kv_cache_memory=4 << 20, verbose=False)
+    target = llm.engine.runner.model
+    path = _trained_like(target, seed=6, intermediate_size=64).save(tmp_path / "head")
+    v = target.config.vocab_size
+    ids = torch.randperm(v, generator=torch.Generator().manual_seed(7))[:160]
+    draft_vocab.save(path, ids.sort().values)
+    head = EagleHead.load(path, target, quantize=True)
+    assert head._fused_weights() is not None
+    states = target_hidden_states(target, _sequences(3, 24, v, seed=8))
+    lengths = (9, 16, 21)
+
+    def caches() -> list[DraftCache]:
+        rows = zip(states.hidden, states.tokens, lengths)
+        return [_cache_upto(head, h, t, n) for h, t, n in rows]
+
+    for k in (1, 4):
+        fused_caches = caches()
+        fused, _ = head.draft(fused_caches, k)
+        head.__dict__["_fused"] = False  # the Python head: its cache entries, its chain
+        try:
+            python_caches = caches()
+            python, _ = head.draft(python_caches, k)
+        finally:
+            head.__dict__["_fused"] = None
+        assert fused.shape == (3, k) and torch.equal(fused, python)
+        for a, b in zip(fused_caches, python_caches):
+            rows = a.end - a.lo + k - 1  # the true rows and the chain's own keys
+            assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])
+            assert torch.equal(a.x_last, b.x_last)

@@ -13,6 +13,8 @@ Python-level calls per layer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +37,8 @@ _LINEAR_KINDS = {"int8": 1, "int4": 2, "fp8": 3}  # decoder::LinearWeights::Kind
 _TILES_KIND = 4  # int8 / int4 packed at load (formats.pack_tiles)
 
 
-def _linear_weights(ext, module: nn.Module):
+def kernel_linear_weights(ext, module: nn.Module):
+    """A `Linear` or `QuantizedLinear` as the C++ steps take it (decoder::LinearWeights)."""
     if isinstance(module, QuantizedLinear):
         w = module.qweight
         kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
@@ -166,11 +169,12 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer in one C++ call (csrc/decoder_layers.h) for a kernel-group-only step."""
         if self._fused_layers is None:
+            linear = functools.partial(kernel_linear_weights, ext)
             self._fused_layers = [
                 ext.LayerWeights(
                     l.input_layernorm.weight, l.post_attention_layernorm.weight,
-                    _linear_weights(ext, l.self_attn.qkv_proj), _linear_weights(ext, l.self_attn.o_proj),
-                    _linear_weights(ext, l.mlp.gate_up_proj), _linear_weights(ext, l.mlp.down_proj),
+                    *map(linear, (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
+                                  l.mlp.down_proj)),
                 )
                 for l in self.layers
             ]  # fmt: skip

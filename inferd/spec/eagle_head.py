@@ -252,6 +252,7 @@ class EagleHead(nn.Module):
         if self.target_info:
             check_target(self.target_info, target)
         self.__dict__["_target"] = target
+        self.__dict__["_fused"] = None
         return self
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> EagleHead:
@@ -260,6 +261,7 @@ class EagleHead(nn.Module):
         (quantized heads stay quantized); training and `return_logits` still see every token."""
         if ids is None:
             self.__dict__["_draft_vocab"] = None
+            self.__dict__["_fused"] = None
             return self
         from inferd.layers.quantized_linear import QuantizedLinear
 
@@ -284,6 +286,7 @@ class EagleHead(nn.Module):
                                  dtype=picked.dtype).requires_grad_(False)  # fmt: skip
                 rows.weight.copy_(picked)
         self.__dict__["_draft_vocab"] = (ids.to(self.target.norm.weight.device), rows)
+        self.__dict__["_fused"] = None
         return self
 
     @property
@@ -328,6 +331,7 @@ class EagleHead(nn.Module):
         # them (csrc/layer_ops.h, paged_attention.h): one C++ call each instead of ~30 small ATen
         # ops, most of a draft step's time at batch 1.
         self.__dict__["_kernels"] = ext
+        self.__dict__["_fused"] = None
         return self
 
     # ---- the layer's pieces (any leading shape) ----------------------------------------------
@@ -503,6 +507,13 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,  # [N]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x [N, H], keys [N, KVH, D], values [N, KVH, D]) of true positions, for DraftCache."""
+        fused = self._fused_weights()
+        if fused is not None and hidden.dim() == 2 and hidden.dtype == torch.float32:
+            self._rope_full(positions)  # the tables reach every position
+            cos, sin = self.__dict__["_rope_full_table"]
+            return self._kernels.eagle_cache_entries(
+                fused, self._fused_shape(), hidden.contiguous(), next_tokens, positions, cos, sin
+            )
         x = self.inputs(hidden, next_tokens)
         _, k, v = self.qkv_of(x, positions)
         return x, k, v
@@ -527,6 +538,10 @@ class EagleHead(nn.Module):
         step, the next `alternatives` likeliest tokens after the drafted one [B, k, alternatives]
         (a draft tree's leaves)."""
         assert not alternatives or not (return_logits or choose), "alternatives: greedy chains only"
+        if not (alternatives or return_logits or choose) and k > 0:
+            fused = self._fused_weights()
+            if fused is not None:
+                return self._draft_fused(fused, caches, k), None
         alts = []
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -580,6 +595,63 @@ class EagleHead(nn.Module):
         if alternatives:
             return drafted, torch.stack(alts, dim=1) if alts else pos.new_empty(b, 0, alternatives)
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
+
+    def _fused_weights(self) -> Any:
+        """The head as the C++ chain takes it (csrc/eagle_draft.h), built once; None where that
+        chain would not run the Python one's kernels: linears other than the engine's packed
+        tiles, no draft vocabulary, an embedding neither fp32 nor tiles."""
+        cached = self.__dict__.get("_fused")
+        if cached is not None:
+            return cached or None
+        from inferd.layers.linear import Embedding
+        from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+        from inferd.models.llama import kernel_linear_weights
+        from inferd.quantization import formats
+
+        ext, fused = self._kernels, False
+        linears = [self.fc, self.qkv, self.o_proj, self.gate_up, self.down]
+        if self._draft_vocab is not None:
+            linears.append(self._draft_vocab[1])
+        embed = self.target.embed_tokens if self._target is not None else None
+        tiles = all(isinstance(m, QuantizedLinear) and m.qweight.layout == "tiles"
+                    and m.bias is None for m in linears)  # fmt: skip
+        ready = ext is not None and tiles and formats.int8_activations_default(ext)
+        if ready and len(linears) == 6:
+            norms = [n.weight for n in (self.hidden_norm, self.embed_norm, self.attn_norm,
+                                        self.mlp_norm, self.out_norm)]  # fmt: skip
+            kinds = [kernel_linear_weights(ext, m) for m in linears]
+            ids = self._draft_vocab[0].long()
+            if isinstance(embed, Embedding) and embed.weight.dtype == torch.float32:
+                fused = ext.EagleHeadWeights(norms, kinds, ids, embed.weight)
+            elif (isinstance(embed, QuantizedEmbedding) and embed.qweight.layout == "tiles"
+                  and embed.dtype == torch.float32):  # fmt: skip
+                w = embed.qweight
+                mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
+                fused = ext.EagleHeadWeights(norms, kinds, ids, w.data, w.scales, mins)
+        self.__dict__["_fused"] = fused
+        return fused or None
+
+    def _fused_shape(self) -> Any:
+        shape = self.__dict__.get("_kernel_shape")
+        if shape is None:
+            shape = self._kernels.DecoderShape(self.num_heads, self.num_kv_heads, self.head_dim,
+                                               self.intermediate_size, self.rms_norm_eps,
+                                               self.head_dim**-0.5, True)  # fmt: skip
+            self.__dict__["_kernel_shape"] = shape
+        return shape
+
+    def _draft_fused(self, fused: Any, caches: list[DraftCache], k: int) -> torch.Tensor:
+        """`draft`'s greedy chains in one C++ call: the same tokens, the same keys left behind."""
+        for c in caches:
+            c.reserve(k)
+        x = torch.stack([c.x_last for c in caches])
+        pos = torch.tensor([c.end - 1 for c in caches])
+        self._rope_full(pos + (k - 1))  # the tables reach every position of the chains
+        cos, sin = self.__dict__["_rope_full_table"]
+        return self._kernels.eagle_draft_chains(
+            fused, self._fused_shape(), x, pos, [c.k for c in caches], [c.v for c in caches],
+            [c.end - c.lo for c in caches], cos, sin, k,
+        )  # fmt: skip
 
     # ---- disk --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -6,6 +6,7 @@
 
 #include "decoder_layers.h"
 #include "dense_gemv.h"
+#include "eagle_draft.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
@@ -95,5 +96,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_scales"), py::arg("v_scales"), py::arg("code"), py::arg("qmax"));
   // The GIL is released for the whole step: a server's event loop streams meanwhile.
   m.def("decode_layers", &decoder::decode_layers, "every decoder layer of a kernel-group step",
+        py::call_guard<py::gil_scoped_release>());
+
+  // A learned draft head's greedy chains (eagle_draft.h).
+  py::class_<eagle::HeadWeights>(m, "EagleHeadWeights", py::module_local())
+      .def(py::init([](std::vector<torch::Tensor> norms, std::vector<LinearWeights> linears,
+                       torch::Tensor vocab_ids, torch::Tensor embed, c10::optional<torch::Tensor> embed_scales,
+                       c10::optional<torch::Tensor> embed_mins) {
+             TORCH_CHECK(norms.size() == 5 && linears.size() == 6,
+                         "EagleHeadWeights: 5 norms (hidden, embed, attn, mlp, out) and 6 linears "
+                         "(fc, qkv, o, gate_up, down, vocab)");
+             return eagle::HeadWeights{norms[0], norms[1], norms[2], norms[3], norms[4],
+                                       linears[0], linears[1], linears[2], linears[3], linears[4], linears[5],
+                                       vocab_ids, embed, embed_scales.value_or(torch::Tensor()),
+                                       embed_mins.value_or(torch::Tensor())};
+           }),
+           py::arg("norms"), py::arg("linears"), py::arg("vocab_ids"), py::arg("embed"),
+           py::arg("embed_scales") = py::none(), py::arg("embed_mins") = py::none());
+  m.def("eagle_draft_chains", &eagle::draft_chains, "greedy draft chains of a learned head [B, k]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eagle_cache_entries", &eagle::cache_entries, "(x, keys, values) of a learned head's true positions",
         py::call_guard<py::gil_scoped_release>());
 }
