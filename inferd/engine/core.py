@@ -358,8 +358,9 @@ class EngineCore:
         token, and roll the KV of the rejected ones back."""
         if not seqs:
             return []
-        index = torch.tensor(rows, device=logits.device)
-        results = verify(logits[index], seqs, self.eos_token_ids, self.model_config.vocab_size)
+        if len(rows) != logits.shape[0]:  # plain decodes are in the batch too
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        results = verify(logits, seqs, self.eos_token_ids, self.model_config.vocab_size)
         self._take_leaves(seqs, results, batch)
         now = self.clock()
         deltas: list[SequenceDelta] = []
