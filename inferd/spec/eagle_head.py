@@ -52,7 +52,7 @@ def _draft_linear(weight: torch.Tensor) -> nn.Module:
     draft vocabulary's LM head rows) from memory the target's forward has just swept, k times
     per target step. Against int8, on the bench's chat prompts (fp32 target, k = 3 every step,
     6 alternated runs): 1.34x against 1.26x over speculation off, with the offline acceptance
-    length 1.4 % lower at worst (eval40 2.005 vs 2.018, free-form 1.830 vs 1.843, chat6 1.799 vs
+    length 1.9 % lower at worst (eval40 2.005 vs 2.018, free-form 1.830 vs 1.843, chat6 1.799 vs
     1.834). Drafts only rank tokens; verification scores the target's own logits."""
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.quantization.formats import pack_tiles, quantize_int4, quantize_int8
@@ -306,8 +306,8 @@ class EagleHead(nn.Module):
         """Swap the layers for the engine's inference ones, in place (no training after this):
         RMSNorms and linears with the C++ kernels the target's decode step runs, the linears
         quantized (`_draft_linear`: int4 in the engine's packed tiles) when `quantize`. A draft
-        step reads every weight of the head once; in fp32 (16 MiB at the default size) that streaming was
-        most of its time, and the chain runs it k times per target step."""
+        step reads every weight of the head once; in fp32 (16 MiB at the default size) that
+        streaming was most of its time, and the chain runs it k times per target step."""
         from inferd.layers.linear import Linear
         from inferd.layers.norm import RMSNorm
 
