@@ -84,13 +84,13 @@ class EagleProposer(Proposer):
             # The token after each position: all known once the step's tokens are appended. The
             # rows are copied: the step's buffer is the next step's.
             nexts = seq.token_ids[start + 1 : start + 1 + len(h)]
+            rows = h.clone()
             pending = self.pending.get(seq.seq_id)
-            if pending is not None and not pending.add(start, h.clone(), nexts):
+            if pending is not None and not pending.add(start, rows, nexts):
                 self._feed([seq])  # a gap: what came before goes in first
                 pending = None
             if pending is None:
-                pending = _Pending(start, start + len(h), [h.clone()], nexts)
-                self.pending[seq.seq_id] = pending
+                pending = self.pending[seq.seq_id] = _Pending(start, start + len(h), [rows], nexts)
             if pending.end - pending.start >= _MAX_PENDING:
                 full.append(seq)
         if full:
