@@ -64,3 +64,29 @@ def test_stream_interval_sends_the_first_token_then_groups(core: EngineCore) -> 
     steps = _run(core, stream=True, interval=5)
     assert [len(ids) for ids in _news(steps)] == [1, 5, 5, 1]
     assert sum(m.report.num_generation_tokens for m in steps if m.report) == MAX_TOKENS
+
+
+def test_stats_go_out_when_a_request_starts_or_ends_and_otherwise_at_most_every_tenth_second(
+    core: EngineCore,
+) -> None:
+    start = time.monotonic()
+    steps = _run(core, stream=True)
+    took = time.monotonic() - start
+    with_stats = [i for i, m in enumerate(steps) if m.report.stats is not None]
+    # The step that scheduled the request and the one that finished it carry a snapshot...
+    assert with_stats[0] == 0 and with_stats[-1] == len(steps) - 1
+    assert steps[0].report.stats.num_running == 1
+    last = steps[-1].report.stats
+    assert last.num_running == 0 and last.generation_tokens_total >= MAX_TOKENS
+    # ... and between them, at most one every 0.1 s (a tiny model's steps take well under that).
+    assert len(with_stats) - 2 <= took / 0.1 + 1
+    assert len(with_stats) < len(steps)
+    # A snapshot is the engine's state then, never changed afterwards: not even its lists.
+    live = core.get_stats()
+    frozen = live.snapshot()
+    assert frozen == live
+    live.spec_draft_tokens_per_position.append(1)
+    live.generation_tokens_total += 1
+    assert frozen.spec_draft_tokens_per_position == [] and frozen != live
+    live.spec_draft_tokens_per_position.pop()
+    live.generation_tokens_total -= 1

@@ -189,12 +189,18 @@ class RequestStream:
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        # A deque and one future, not an asyncio.Queue: this runs per streamed token, on the CPU
+        # the engine's last OpenMP worker shares, and the Queue's getter bookkeeping costs more.
+        self._updates: deque[RequestUpdate] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         self.scheduled = False  # set by the loop when the engine first schedules the request
 
     def _put(self, update: RequestUpdate) -> None:
-        self._queue.put_nowait(update)
+        self._updates.append(update)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -202,7 +208,14 @@ class RequestStream:
     async def __anext__(self) -> RequestUpdate:
         if self.finished:
             raise StopAsyncIteration
-        update = await self._queue.get()
+        updates = self._updates
+        while not updates:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        update = updates.popleft()
         if update.finished:
             self.finished = True
         if update.error is not None:

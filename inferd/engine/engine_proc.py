@@ -32,7 +32,6 @@ import select
 import signal
 import struct
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -85,6 +84,10 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[bytes]:
         buffer = self._buffer
+        if not buffer and len(data) >= _HEADER.size:  # the common case: one whole frame
+            (size,) = _HEADER.unpack_from(data)
+            if len(data) == _HEADER.size + size:
+                return [data[_HEADER.size :]]
         buffer += data
         frames = []
         start = 0
@@ -133,15 +136,14 @@ def _bind_cpus(process: multiprocessing.process.BaseProcess) -> int | None:
 # ---- a step's news on the wire: tuples, not dataclasses --------------------------------------
 # Slotted dataclasses pickle through `__getstate__`/`__setstate__` written in Python: a one-token
 # StepDone took ~19 µs to pickle and ~14 µs to unpickle, ~8× that on the cold caches of a process
-# that wakes once per token. As nested tuples it takes ~2 + 3 µs. The engine's stats (19 fields)
-# travel at most every 0.1 s, and whenever a request starts or ends.
+# that wakes once per token. As nested tuples it takes ~2 + 3 µs. The engine's stats travel only
+# in the reports that carry a snapshot (`engine_loop._STATS_EVERY_S`).
 
 _STEP = "step"
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
-_STATS_EVERY_S = 0.1
 
 
-def encode_step(step: StepDone, with_stats: bool) -> tuple:
+def encode_step(step: StepDone) -> tuple:
     updates = [
         (rid, u.time, [(d.index, d.new_token_ids, d.text_delta, d.finish_reason, d.stop_reason,
                         d.new_logprobs or None) for d in u.deltas], u.output, u.error)
@@ -150,7 +152,7 @@ def encode_step(step: StepDone, with_stats: bool) -> tuple:
     report = None
     r = step.report
     if r is not None:
-        stats = tuple(getattr(r.stats, f) for f in _STATS_FIELDS) if with_stats else None
+        stats = tuple(getattr(r.stats, f) for f in _STATS_FIELDS) if r.stats is not None else None
         report = (stats, r.num_prompt_tokens, r.num_generation_tokens, r.queue_times, r.ttfts,
                   r.inter_token_latencies, r.finished)  # fmt: skip
     return (_STEP, step.scheduled, updates, report)
@@ -304,20 +306,10 @@ def serve_engine(
     commands_fd, messages_fd = commands.fileno(), messages.fileno()
     reader = FrameReader()
 
-    stats_sent = 0.0  # when the front end last got the engine's stats
-
     def emit(message: Message) -> None:
-        nonlocal stats_sent
         wire: object = message
         if isinstance(message, StepDone):
-            r, now = message.report, time.monotonic()
-            with_stats = r is not None and bool(
-                r.finished or message.scheduled or r.num_prompt_tokens
-                or now - stats_sent >= _STATS_EVERY_S
-            )  # fmt: skip
-            if with_stats:
-                stats_sent = now
-            wire = encode_step(message, with_stats)
+            wire = encode_step(message)
         try:
             blob = pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 — a call's result or an error that does not pickle

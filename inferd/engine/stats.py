@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 logger = logging.getLogger("inferd.engine")
 
@@ -61,6 +62,17 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, float | int | str | list[int]]:
         return asdict(self)
+
+    def snapshot(self) -> EngineStats:
+        """A copy the engine will not change afterwards (its lists copied too): what goes to the
+        front end. By hand: `dataclasses.replace` took ~20 µs, a visible part of a 3 ms step."""
+        copy = EngineStats(*_field_values(self))
+        copy.spec_draft_tokens_per_position = list(self.spec_draft_tokens_per_position)
+        copy.spec_accepted_per_position = list(self.spec_accepted_per_position)
+        return copy
+
+
+_field_values = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 class StatsLogger:

@@ -7,7 +7,6 @@ a stack trace (unexpected exceptions are logged server-side and answered with a 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -89,12 +88,6 @@ def error_response(err: APIError) -> JSONResponse:
         error_body(err.status, err.message, param=err.param, code=err.code, type=err.type),
         status_code=err.status,
     )
-
-
-def sse_error(err: APIError) -> str:
-    """An error in the middle of a stream (headers already sent): one SSE event the client reads."""
-    body = error_body(err.status, err.message, param=err.param, code=err.code, type=err.type)
-    return f"data: {json.dumps(body)}\n\n"
 
 
 # Field names as SamplingParams says them → as the API calls them.

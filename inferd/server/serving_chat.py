@@ -277,7 +277,7 @@ async def _stream(
     include_usage: bool,
     top: int | None,
     functions: dict[str, dict[str, Any]] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     base: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -293,7 +293,7 @@ async def _stream(
         logprobs: Any = None,
         finish: str | None = None,
         stop_reason: int | str | None = None,
-    ) -> str:
+    ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason

@@ -4,13 +4,13 @@ parameters, request logging, SSE framing and client-disconnect handling."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from inferd.engine.async_engine import AsyncEngine, RequestStream, RequestUpdate
 from inferd.loader.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
-from inferd.server.errors import APIError, sse_error, to_api_error
+from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import _SamplingFields
 from inferd.structured import StructuredOutputsParams
@@ -314,11 +314,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(data: dict[str, Any]) -> bytes:
+    """One SSE event. orjson: ~10× faster than `json.dumps` here, and this runs per streamed
+    token on the CPU the engine's last OpenMP worker shares. Like `ensure_ascii=False`, it writes
+    UTF-8; a non-finite float (a -inf logprob) becomes null, where `json` wrote invalid JSON."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -329,7 +332,7 @@ class EngineStreamingResponse(StreamingResponse):
     before the first chunk cancels the response before the generator ever starts.
     """
 
-    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self._streams = streams
 
@@ -341,12 +344,15 @@ class EngineStreamingResponse(StreamingResponse):
                 stream.close()
 
 
-async def stream_with_errors(body: AsyncIterator[str]) -> AsyncIterator[str]:
+async def stream_with_errors(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Frame an SSE body: a failure mid-stream becomes an error event the client can read (the
     status line is already sent), and the stream always ends with `data: [DONE]`."""
     try:
         async for event in body:
             yield event
     except Exception as e:  # noqa: BLE001 — the status is sent; the client reads this event
-        yield sse_error(to_api_error(e, user_input=False))
+        err = to_api_error(e, user_input=False)
+        yield sse(
+            error_body(err.status, err.message, param=err.param, code=err.code, type=err.type)
+        )
     yield SSE_DONE

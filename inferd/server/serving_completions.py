@@ -178,7 +178,7 @@ async def _stream(
     echoes: list[str],
     include_usage: bool,
     want_logprobs: bool,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     base: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
