@@ -409,6 +409,14 @@ void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, S* ws, S* wm, P
   });
 }
 
+// How far ahead of the block being read a tile's weights are prefetched, non-temporally: a decode
+// step streams every weight once (the default model's ~100 MB as int4 tiles), and through the
+// caches as usual the stream evicted everything else from the shared L3 each step (the engine's
+// Python, the KV cache, the activations). With the hint it bypasses AMD's victim L3. Chat prompts
+// at batch 1, `-q auto`, the hint switched at run time in one process: 372 against 347 tok/s
+// (against 362 with a T0 prefetch); 32 x (128, 128) offline: 1,923 against 1,788 total tok/s.
+constexpr int64_t kTilePrefetchBytes = 4096;
+
 // Activation rows [m0, m0 + MR) against tile t: acc[i] lane j = row m0 + i, output 16t + j,
 // before the min term (the numbers above gemv).
 template <int MR, bool Nibbles, bool Signed>
@@ -424,6 +432,9 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
   }
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    // The tiles of a thread's range lie end to end: the prefetch runs on into the next tile.
+    for (int l = 0; l < kRegs; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(W + b * kRegs + l) + kTilePrefetchBytes, _MM_HINT_NTA);
     __m512i dot[MR];
     for (int i = 0; i < MR; ++i)
       dot[i] = Signed ? _mm512_set1_epi32(-128 * x.qs[(m0 + i) * nb + b]) : _mm512_setzero_si512();
