@@ -42,7 +42,7 @@ def kernel_linear_weights(ext, module: nn.Module):
     if isinstance(module, QuantizedLinear):
         w = module.qweight
         kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
-        return ext.LinearWeights(kind, w.data, w.scales, w.mins, module.bias, w.group)
+        return ext.LinearWeights(kind, w.data, w.scales, w.mins, module.bias, w.group, w.streamed)
     return ext.LinearWeights(0, module.weight, None, None, module.bias, 0)
 
 

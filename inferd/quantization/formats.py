@@ -45,6 +45,10 @@ class QuantizedWeight:
     # rearranged, scales/mins [N / 16, K / 32, 16] in their own dtype (one per 32-block; `group`
     # is still the quantization's). The int8-activation path, `dequantize_rows` and `rows()` read it.
     layout: str = "rows"
+    # Read once per step, like a model's weights: the tiles kernel prefetches it past the caches
+    # so that the stream does not evict what the step reuses. False for a small weight read many
+    # times a step (a draft head's), which should stay in cache.
+    streamed: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -390,7 +394,8 @@ DEQUANT_GEMM_MIN_ROWS = 32
 def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
     """The fused kernel on x2 [M, K]; with M == 0 it returns the dequantised weight [N, K]."""
     if w.layout == "tiles":  # int8 activations only (quantized_matmul routes the rest)
-        return ext.tiles_linear(x2, w.data, w.scales, w.mins if w.mins is not None else _NO_MINS)
+        mins = w.mins if w.mins is not None else _NO_MINS
+        return ext.tiles_linear(x2, w.data, w.scales, mins, w.streamed)
     if w.format == "int8":
         return ext.q8_linear(x2, w.data, w.scales, w.group, int8_x)
     if w.format == "int4":

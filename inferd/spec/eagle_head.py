@@ -57,10 +57,13 @@ def _draft_linear(weight: torch.Tensor) -> nn.Module:
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.quantization.formats import pack_tiles, quantize_int4, quantize_int8
 
-    if weight.shape[1] % 32 == 0 and (packed := pack_tiles(quantize_int4(weight))) is not None:
-        return QuantizedLinear(packed)
-    q = quantize_int8(weight)
-    return QuantizedLinear(pack_tiles(q) or q)
+    packed = pack_tiles(quantize_int4(weight)) if weight.shape[1] % 32 == 0 else None
+    if packed is None:
+        q = quantize_int8(weight)
+        packed = pack_tiles(q) or q
+    # Read k times a step, 7 MB in all: kept in cache, not streamed past it as a model's are.
+    packed.streamed = False
+    return QuantizedLinear(packed)
 
 
 FORMAT = "inferd-eagle-head"

@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_tiles", &quant_gemm::pack_int8_tiles, "[w, ws, wm]: q, scales, mins in the tiles' layout",
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
-        py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"));
+        py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("stream") = true);
   m.def("tiles_rows", &quant_gemm::tiles_rows, "rows of packed tiles, dequantised to fp32 [R, K]",
         py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("rows"));
 
@@ -77,12 +77,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using decoder::Shape;
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t group) {
+                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias, int64_t group,
+                       bool stream) {
              return LinearWeights{kind, weight, scales.value_or(torch::Tensor()),
-                                  mins.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), group};
+                                  mins.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), group,
+                                  stream};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
-           py::arg("group"));
+           py::arg("group"), py::arg("stream") = true);
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, LinearWeights, LinearWeights, LinearWeights, LinearWeights>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),

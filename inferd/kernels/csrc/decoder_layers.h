@@ -36,6 +36,7 @@ struct LinearWeights {
   torch::Tensor weight;  // fp32 [N, K] or the packed data
   torch::Tensor scales, mins, bias;  // undefined where absent
   int64_t group;
+  bool stream = true;  // packed tiles read once a step (a model's): prefetched past the caches
 };
 
 struct LayerWeights {
@@ -66,7 +67,8 @@ inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, cons
   torch::Tensor y;
   if (l.kind == LinearWeights::kTiles) {
     TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");
-    y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}));
+    y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}),
+                                 l.stream);
   } else if (s.int8_activations && l.kind != LinearWeights::kFp8)
     y = quantized_call(l, x, true);
   else if (x.size(0) >= kDequantGemmMinRows)

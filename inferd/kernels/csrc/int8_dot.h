@@ -345,6 +345,7 @@ struct PackedTiles {
   const void* ws;        // [tile][block][16]: each output's weight scale, per block
   const void* wm;        // the same for the mins; nullptr without
   bool half;             // ws / wm hold fp16 (as the file shipped them), else fp32
+  bool stream = true;    // read once a step: prefetched past the caches (kTilePrefetchBytes)
 };
 
 // The 16 scales (or mins) at [tile][block] of a packed weight, as fp32 (fp16 converts exactly).
@@ -409,12 +410,14 @@ void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, S* ws, S* wm, P
   });
 }
 
-// How far ahead of the block being read a tile's weights are prefetched, non-temporally: a decode
-// step streams every weight once (the default model's ~100 MB as int4 tiles), and through the
-// caches as usual the stream evicted everything else from the shared L3 each step (the engine's
-// Python, the KV cache, the activations). With the hint it bypasses AMD's victim L3. Chat prompts
-// at batch 1, `-q auto`, the hint switched at run time in one process: 372 against 347 tok/s
-// (against 362 with a T0 prefetch); 32 x (128, 128) offline: 1,923 against 1,788 total tok/s.
+// How far ahead of the block being read a streamed weight's tiles are prefetched, non-temporally:
+// a decode step streams every weight once (the default model's ~100 MB as int4 tiles), and
+// through the caches as usual the stream evicted everything else from the shared L3 each step
+// (the engine's Python, the KV cache, the activations). With the hint it bypasses AMD's victim
+// L3. Chat prompts at batch 1, `-q auto`, the hint switched at run time in one process: 372
+// against 347 tok/s (against 362 with a T0 prefetch); 32 x (128, 128) offline: 1,923 against
+// 1,788 total tok/s. A weight that is not streamed (`PackedTiles::stream`: a draft head's, 7 MB
+// read k times a step) keeps the plain loads, and so its place in L3.
 constexpr int64_t kTilePrefetchBytes = 4096;
 
 // Activation rows [m0, m0 + MR) against tile t: acc[i] lane j = row m0 + i, output 16t + j,
@@ -433,8 +436,9 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     // The tiles of a thread's range lie end to end: the prefetch runs on into the next tile.
-    for (int l = 0; l < kRegs; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(W + b * kRegs + l) + kTilePrefetchBytes, _MM_HINT_NTA);
+    if (p.stream)
+      for (int l = 0; l < kRegs; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(W + b * kRegs + l) + kTilePrefetchBytes, _MM_HINT_NTA);
     __m512i dot[MR];
     for (int i = 0; i < MR; ++i)
       dot[i] = Signed ? _mm512_set1_epi32(-128 * x.qs[(m0 + i) * nb + b]) : _mm512_setzero_si512();

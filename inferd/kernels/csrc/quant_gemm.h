@@ -391,7 +391,9 @@ std::vector<torch::Tensor> pack_int8_tiles(torch::Tensor q, torch::Tensor scale,
 }
 
 // x [M, K] · the packed weight^T → [M, N], with int8 activations (the only path tiles have).
-torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, torch::Tensor wm) {
+// `stream`: the weight is read once a step (a model's), prefetched past the caches (int8_dot.h).
+torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, torch::Tensor wm,
+                           bool stream = true) {
   TORCH_CHECK(kHasTiles, "packed int8 tiles need AVX512-VNNI");
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
@@ -412,7 +414,7 @@ torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor w, torch::Tensor ws, t
 #ifdef INT8DOT_ZMM
   const int8dot::QuantizedRows qx = quantize_x(x);
   const int8dot::PackedTiles p{tiles, nb, nibbles, reinterpret_cast<const __m512i*>(w.data_ptr()),
-                               ws.data_ptr(), has_mins ? wm.data_ptr() : nullptr, half};
+                               ws.data_ptr(), has_mins ? wm.data_ptr() : nullptr, half, stream};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { int8dot::gemm(p, qx, yp, N, t0, t1); });
 #endif
