@@ -151,11 +151,6 @@ class SpeculativeConfig:
     # continues the chain, the others are leaves of a draft tree (greedy requests only). The
     # policy verifies leaves only while they pay for their rows (inferd.spec.policy).
     draft_topk: int = 1
-    # eagle only: a greedy chain stops before the first draft at which the product of the head's
-    # top-1 probabilities so far falls below this (the first draft always goes; EAGLE-2's
-    # confidence). Its later drafts would mostly be rejected, and each costs a verification row
-    # and a step of the head. 0: every chain drafts the k the policy asks for.
-    draft_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -183,11 +178,6 @@ class SpeculativeConfig:
             bad(f"draft_topk must be an integer in [1, 8], got {t!r}")
         if t > 1 and self.method != "eagle":
             bad(f'draft_topk > 1 needs method "eagle", got {self.method!r}')
-        c = self.draft_confidence
-        if isinstance(c, bool) or not isinstance(c, int | float) or not 0.0 <= c < 1.0:
-            bad(f"draft_confidence must be a number in [0, 1), got {c!r}")
-        if c and self.method != "eagle":
-            bad(f'draft_confidence needs method "eagle", got {self.method!r}')
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
             bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
 

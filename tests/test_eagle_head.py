@@ -422,30 +422,17 @@ def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, 
         rows = zip(states.hidden, states.tokens, lengths)
         return [_cache_upto(head, h, t, n) for h, t, n in rows]
 
-    # min_confidence (draft_confidence): chains cut where the head's running top-1 probability
-    # falls below it; from none cut, through some, to all after their first draft.
-    drafted_by_floor, mixed = [], False
-    for k, floor in [(1, 0.0), (4, 0.0)] + [(4, f) for f in (1e-30, 0.2, 0.4, 0.6, 0.999)]:
+    for k in (1, 4):
         fused_caches = caches()
-        fused, _ = head.draft(fused_caches, k, min_confidence=floor)
+        fused, _ = head.draft(fused_caches, k)
         head.__dict__["_fused"] = False  # the Python head: its cache entries, its chain
         try:
             python_caches = caches()
-            python, _ = head.draft(python_caches, k, min_confidence=floor)
+            python, _ = head.draft(python_caches, k)
         finally:
             head.__dict__["_fused"] = None
-        assert fused.shape == (3, k) and torch.equal(fused, python), (k, floor)
-        kept = fused >= 0
-        assert bool(kept[:, 0].all())  # the first draft always goes
-        assert torch.equal(kept, kept.cummin(dim=1).values)  # a chain ends once, for good
-        columns = int(kept.any(dim=0).sum())
+        assert fused.shape == (3, k) and torch.equal(fused, python)
         for a, b in zip(fused_caches, python_caches):
-            rows = a.end - a.lo + columns - 1  # the true rows and the chain's own keys
+            rows = a.end - a.lo + k - 1  # the true rows and the chain's own keys
             assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])
             assert torch.equal(a.x_last, b.x_last)
-        if floor:
-            drafted_by_floor.append(int(kept.sum()))
-            mixed |= bool(kept.any(dim=1).all() and not kept.all() and kept[:, -1].any())
-    assert drafted_by_floor[0] == 12 and drafted_by_floor[-1] == 3  # none cut; all after one
-    assert drafted_by_floor == sorted(drafted_by_floor, reverse=True)
-    assert mixed, drafted_by_floor  # some floor cut some chains and left others whole

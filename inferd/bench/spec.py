@@ -92,12 +92,9 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
             configs.append((f"draft k={k}", {"method": "draft_model", "model": args.draft_model,
                                              "num_speculative_tokens": k}))  # fmt: skip
         for topk in args.draft_topk if args.eagle else ():
-            for conf in args.draft_confidence if topk == 1 else (0.0,):
-                label = f"eagle k={k}" + (f" topk={topk}" if topk > 1 else "")
-                configs.append((label + (f" conf={conf:g}" if conf else ""),
-                                {"method": "eagle", "model": args.eagle,
-                                 "num_speculative_tokens": k, "draft_topk": topk,
-                                 "draft_confidence": conf}))  # fmt: skip
+            configs.append((f"eagle k={k}" + (f" topk={topk}" if topk > 1 else ""),
+                            {"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
+                             "draft_topk": topk}))  # fmt: skip
     return configs
 
 
@@ -200,8 +197,6 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.spec.train_eagle)")
     p.add_argument("--draft-topk", type=int, nargs="+", default=[1],
                    help="eagle: draft trees to compare (1: a chain; t: t - 1 leaves per depth)")
-    p.add_argument("--draft-confidence", type=float, nargs="+", default=[0.0],
-                   help="eagle chains: confidence floors to compare (0: chains of the policy's k)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")

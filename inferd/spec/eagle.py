@@ -76,7 +76,6 @@ class EagleProposer(Proposer):
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
         self.caches: dict[int, DraftCache] = {}
         self.pending: dict[int, _Pending] = {}  # by sequence: rows not yet in its cache
-        self.min_confidence = spec.draft_confidence
 
     @torch.inference_mode()  # as propose: the caches' buffers are inference tensors
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
@@ -129,19 +128,12 @@ class EagleProposer(Proposer):
             return
         width = max(w for *_, w in ready)
         caches = [self.caches[s.seq_id] for s, *_ in ready]
-        k_max = max(k for _, k, _ in ready)
-        if width:  # a draft tree's chain is not cut by confidence: its leaves hang on every depth
-            drafted, alts = self.head.draft(caches, k_max, alternatives=width)
-        else:
-            drafted, alts = self.head.draft(caches, k_max, min_confidence=self.min_confidence)
+        drafted, alts = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width)
         alts = alts.tolist() if width else None
         for i, ((seq, k, w), row) in enumerate(zip(ready, drafted.tolist())):
             # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.
             leaves = [(d + 1, t) for d in range(k) for t in alts[i][d][:w]] if w else None
-            row = row[:k]
-            if -1 in row:  # the chain ended early (draft_confidence)
-                row = row[: row.index(-1)]
-            seq.set_drafts(row, leaves=leaves)
+            seq.set_drafts(row[:k], leaves=leaves)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         cache = self.caches.get(parent.seq_id)

@@ -529,7 +529,6 @@ class EagleHead(nn.Module):
         return_logits: bool = False,
         choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         alternatives: int = 0,
-        min_confidence: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chains of k drafted tokens [B, k], one per cache, each from the cache's last position t
         (tokens t + 2 .. t + k + 1), and, when asked, the logits each was drafted from [B, k, V]
@@ -540,19 +539,12 @@ class EagleHead(nn.Module):
 
         `alternatives` > 0 (greedy drafting only): the second value is instead, per chain and
         step, the next `alternatives` likeliest tokens after the drafted one [B, k, alternatives]
-        (a draft tree's leaves).
-
-        `min_confidence` > 0 (greedy chains only): a chain ends before the first draft, after its
-        first, at which the product of the head's top-1 probabilities falls below it (the config's
-        `draft_confidence`); its remaining entries are -1."""
+        (a draft tree's leaves)."""
         assert not alternatives or not (return_logits or choose), "alternatives: greedy chains only"
-        assert not min_confidence or not (alternatives or return_logits or choose), (
-            "min_confidence: greedy chains only"
-        )
         if not (alternatives or return_logits or choose) and k > 0:
             fused = self._fused_weights()
             if fused is not None:
-                return self._draft_fused(fused, caches, k, min_confidence), None
+                return self._draft_fused(fused, caches, k), None
         alts = []
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -562,7 +554,6 @@ class EagleHead(nn.Module):
         x = torch.stack([c.x_last for c in caches])  # [B, H]
         pos = torch.tensor([c.end - 1 for c in caches], device=x.device)
         tokens, logits = [], []
-        confidence, ended = torch.ones(b), torch.zeros(b, dtype=torch.bool)
         ext = self._kernels
         if ext is not None:  # the target's paged attention kernel, each cache one block of its own
             zero = torch.zeros(1, dtype=torch.long)
@@ -592,16 +583,6 @@ class EagleHead(nn.Module):
             if alternatives:
                 tok, alt = self.greedy_top(feature, alternatives)
                 alts.append(alt)
-            elif min_confidence:  # what csrc/eagle_draft.h computes, in its order
-                ids, scores = self._draft_scores(feature)
-                best = argmax_rows(scores)
-                tok = best if ids is None else ids[best]
-                confidence = confidence * torch.softmax(scores, -1).gather(1, best[:, None])[:, 0]
-                if step > 0:
-                    ended = ended | (confidence < min_confidence)
-                if bool(ended.all()):
-                    break
-                tokens.append(tok.masked_fill(ended, -1))
             elif not (return_logits or choose):
                 tok = self.greedy(feature)
             else:
@@ -609,14 +590,11 @@ class EagleHead(nn.Module):
                 tok = choose(step_logits, step) if choose else argmax_rows(step_logits)
                 if return_logits:
                     logits.append(step_logits)
-            if not min_confidence:
-                tokens.append(tok)
+            tokens.append(tok)
             if step + 1 < k:
                 x = self.inputs(feature, tok)
                 pos = pos + 1
         drafted = torch.stack(tokens, dim=1) if tokens else pos.new_empty(b, 0)
-        if drafted.shape[1] < k:  # every chain ended early (min_confidence)
-            drafted = torch.cat([drafted, drafted.new_full((b, k - drafted.shape[1]), -1)], dim=1)
         if alternatives:
             return drafted, torch.stack(alts, dim=1) if alts else pos.new_empty(b, 0, alternatives)
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
@@ -665,9 +643,7 @@ class EagleHead(nn.Module):
             self.__dict__["_kernel_shape"] = shape
         return shape
 
-    def _draft_fused(
-        self, fused: Any, caches: list[DraftCache], k: int, min_confidence: float = 0.0
-    ) -> torch.Tensor:
+    def _draft_fused(self, fused: Any, caches: list[DraftCache], k: int) -> torch.Tensor:
         """`draft`'s greedy chains in one C++ call: the same tokens, the same keys left behind."""
         for c in caches:
             c.reserve(k)
@@ -677,7 +653,7 @@ class EagleHead(nn.Module):
         cos, sin = self.__dict__["_rope_full_table"]
         return self._kernels.eagle_draft_chains(
             fused, self._fused_shape(), x, pos, [c.k for c in caches], [c.v for c in caches],
-            [c.end - c.lo for c in caches], cos, sin, k, min_confidence,
+            [c.end - c.lo for c in caches], cos, sin, k,
         )  # fmt: skip
 
     # ---- disk --------------------------------------------------------------------------------

@@ -68,21 +68,16 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cache_entries(
 // v_bufs [cap, KVH, D] each sequence's cache buffers, `used` the true rows in them (room reserved
 // for k more).
 // Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
-// min_confidence > 0: a chain ends before the first draft (after its first) at which the product
-// of the head's top-1 probabilities (softmax over the draft vocabulary) falls below it; its
-// remaining entries are -1, and the loop stops once every chain has ended.
 inline torch::Tensor draft_chains(const HeadWeights& w, const decoder::Shape& s, torch::Tensor x,
                                   torch::Tensor pos, const std::vector<torch::Tensor>& k_bufs,
                                   const std::vector<torch::Tensor>& v_bufs,
                                   const std::vector<int64_t>& used, const torch::Tensor& cos_table,
-                                  const torch::Tensor& sin_table, int64_t k, double min_confidence = 0.0) {
+                                  const torch::Tensor& sin_table, int64_t k) {
   const int64_t b = x.size(0), nh = s.n_heads, d = s.head_dim;
   TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == b && static_cast<int64_t>(v_bufs.size()) == b &&
                   static_cast<int64_t>(used.size()) == b && pos.numel() == b,
               "draft_chains: one cache and one position per chain");
-  auto tokens = torch::full({b, k}, -1, torch::kInt64);
-  torch::Tensor confidence = torch::ones({b});  // the chains' running products
-  torch::Tensor ended = torch::zeros({b}, torch::kBool);
+  auto tokens = torch::empty({b, k}, torch::kInt64);
   const auto longs = torch::TensorOptions().dtype(torch::kInt64);
   const torch::Tensor zero = torch::zeros({1}, longs), one = torch::ones({1}, longs);
   const torch::Tensor table = torch::zeros({1, 1}, longs);  // each cache is one block of its own
@@ -106,17 +101,8 @@ inline torch::Tensor draft_chains(const HeadWeights& w, const decoder::Shape& s,
     const torch::Tensor mlp = decoder::linear(w.down, layer_ops::silu_mul(decoder::linear(w.gate_up, h, s)), s);
     const torch::Tensor feature = std::get<1>(layer_ops::add_rms_norm(y, mlp, w.out_norm, s.eps));
     // greedy, over the draft vocabulary
-    const torch::Tensor scores = decoder::linear(w.vocab, feature, s);
-    const torch::Tensor best = sampling_ops::argmax_rows(scores);
-    const torch::Tensor tok = w.vocab_ids.index_select(0, best);
-    if (min_confidence > 0) {
-      confidence = confidence * torch::softmax(scores, -1).gather(1, best.unsqueeze(1)).squeeze(1);
-      if (step > 0) ended = ended.logical_or(confidence.lt(min_confidence));
-      if (ended.all().item<bool>()) break;
-      tokens.select(1, step).copy_(tok.masked_fill(ended, -1));
-    } else {
-      tokens.select(1, step).copy_(tok);
-    }
+    const torch::Tensor tok = w.vocab_ids.index_select(0, sampling_ops::argmax_rows(decoder::linear(w.vocab, feature, s)));
+    tokens.select(1, step).copy_(tok);
     if (step + 1 < k) {  // the predicted feature beside the drafted token's embedding
       x = inputs(w, s, feature, tok);
       pos = pos + 1;
