@@ -30,6 +30,7 @@ from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
+from inferd.layers.weight_arena import gather_weights
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -119,6 +120,10 @@ class ModelRunner:
             self.attention_kernel = extension()
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
+        if device.type == "cpu":
+            # One huge-page block in the layers' order (layers/weight_arena.py), before anything
+            # (the fused step's weight list) captures the tensors.
+            gather_weights([model])
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py

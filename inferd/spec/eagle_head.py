@@ -292,6 +292,18 @@ class EagleHead(nn.Module):
         self.__dict__["_fused"] = None
         return self
 
+    def gather_weights(self) -> EagleHead:
+        """The head's weights and its draft-vocabulary rows in one block of 2 MiB pages
+        (inferd/layers/weight_arena.py). A chain reads them k times right after the target's
+        forward has swept the caches and the TLB: as ~1,800 pages of 4 KiB each was a page walk
+        there; as 4 huge pages they stay mapped."""
+        from inferd.layers.weight_arena import gather_weights
+
+        extra = [self._draft_vocab[1]] if self._draft_vocab is not None else []
+        if gather_weights([self, *extra]):
+            self.__dict__["_fused"] = None  # the C++ chains' weights: rebuilt from the moved ones
+        return self
+
     @property
     def draft_vocab_size(self) -> int | None:
         return None if self._draft_vocab is None else len(self._draft_vocab[0])
@@ -716,4 +728,5 @@ class EagleHead(nn.Module):
         head.bind(target_model)
         if head.fc.weight.dtype == torch.float32 and head.fc.weight.is_cpu:
             head.for_inference(quantize)
-        return head.set_draft_vocab(draft_vocab.load(root, head.vocab_size))
+        head.set_draft_vocab(draft_vocab.load(root, head.vocab_size))
+        return head.gather_weights() if ref.is_cpu else head
