@@ -35,6 +35,22 @@ def _seconds(runner: ModelRunner, out: SchedulerOutput) -> float:
     return time.perf_counter() - start
 
 
+# Small batches' steps are short, and their medians of 3 pairs came out anywhere from 0.04 to
+# 0.24 of a step for 2 drafts at batch 1 in fp32 (steps timed in the engine: ~0.08), moving the
+# policy's depths and the learned head's speedup between runs (1.36-1.53x). There, pairs are
+# taken until they span about this long (at most _MAX_PAIRS): fp32 batch 1 ~10 pairs, 0.2 s.
+_MIN_SECONDS = 0.2
+_MAX_PAIRS = 15
+
+
+def _pairs(
+    runner: ModelRunner, verify: SchedulerOutput, plain: SchedulerOutput, repeats: int
+) -> int:
+    """How many (verification, plain) pairs to time: `repeats`, or more where a pair is short."""
+    pair = _seconds(runner, verify) + _seconds(runner, plain)  # also the plain step's warm-up
+    return min(_MAX_PAIRS, max(repeats, int(_MIN_SECONDS / max(pair, 1e-6))))
+
+
 def measure_verify_cost(
     runner: ModelRunner, k: int, max_batch: int, vocab_size: int, context: int = 128,
     repeats: int = 3, leaves: int = 0,
@@ -73,7 +89,7 @@ def measure_verify_cost(
                 verify = SchedulerOutput([(s, 1 + j) for s in batch])
                 runner.execute(verify)  # warm-up
                 ratios = [_seconds(runner, verify) / _seconds(runner, plain)
-                          for _ in range(repeats)]  # fmt: skip
+                          for _ in range(_pairs(runner, verify, plain, repeats))]  # fmt: skip
                 f = max(0.0, statistics.median(ratios) - 1.0, below[j - 1], *by_depth[-1:])
                 by_depth.append(f)
             costs[size] = by_depth
