@@ -114,7 +114,32 @@ def gather_weights(modules: Iterable[nn.Module]) -> int:
         setattr(holder, name, moved)  # the old storage goes once nothing else holds it
     slots.clear()
     _return_freed_memory()
+    huge = _huge_page_bytes(block.data_ptr())
+    logger.info(
+        "weights: %.1f MB in one block%s",
+        total / 1e6,
+        "" if huge is None else f", {min(huge, total) / 1e6:.1f} MB of it on huge pages",
+    )
     return total
+
+
+def _huge_page_bytes(address: int) -> int | None:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), None where unknown.
+    Logged because the kernel may fall back to 4 KiB pages when memory is fragmented, and a
+    step then runs measurably slower."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= address < int(hi, 16)
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _return_freed_memory() -> None:
