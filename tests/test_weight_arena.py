@@ -82,6 +82,15 @@ def test_switched_off_or_too_small_moves_nothing(monkeypatch) -> None:
     assert gather_weights([small]) == 0 and small.weight.data_ptr() == ptr
 
 
+def test_not_moved_where_the_copy_would_not_fit_in_memory(monkeypatch) -> None:
+    import inferd.layers.weight_arena as arena
+
+    m = _model()
+    ptr = m.a.weight.data_ptr()
+    monkeypatch.setattr(arena, "_available_memory", lambda: 3 << 20)  # 3 MiB free: too little
+    assert gather_weights([m]) == 0 and m.a.weight.data_ptr() == ptr
+
+
 def test_the_engines_model_is_one_block() -> None:
     llm = make_llm()
     model = llm.engine.runner.model

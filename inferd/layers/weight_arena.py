@@ -94,8 +94,9 @@ def _huge_page_block(nbytes: int) -> torch.Tensor:
 def gather_weights(modules: Iterable[nn.Module]) -> int:
     """Move the CPU weights of `modules` (parameters, and `QuantizedWeight`s held as `qweight`)
     into one huge-page block in registration order; returns the bytes moved (0 when off, with
-    INFERD_WEIGHT_ARENA=0, or nothing to move). Afterwards rebuild whatever captured the old
-    tensors (a fused step's weight list). Peak memory is the model's twice over for the copy."""
+    INFERD_WEIGHT_ARENA=0, with nothing to move, or with too little free memory for the copy:
+    peak memory is the model's twice over while it runs). Afterwards rebuild whatever captured
+    the old tensors (a fused step's weight list)."""
     if os.environ.get("INFERD_WEIGHT_ARENA", "1") == "0":
         return 0
     slots = _slots(list(modules))
@@ -105,6 +106,15 @@ def gather_weights(modules: Iterable[nn.Module]) -> int:
         offsets.append(total)
         total += t.numel() * t.element_size()
     if total < _HUGE_PAGE:  # not worth a mapping of its own
+        return 0
+    available = _available_memory()
+    if available is not None and total > 0.8 * available:
+        # The copy holds the model twice for a moment: not where that would run out of memory.
+        logger.info(
+            "weights: left where they are (%.0f MB to move, %.0f MB free)",
+            total / 1e6,
+            available / 1e6,
+        )
         return 0
     block = _huge_page_block(total)
     for (holder, name, t), off in zip(slots, offsets):
@@ -138,6 +148,18 @@ def _huge_page_bytes(address: int) -> int | None:
                 elif inside and head == "AnonHugePages:":
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
+        pass
+    return None
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
     return None
 
