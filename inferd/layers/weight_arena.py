@@ -53,7 +53,7 @@ def _slots(modules: Iterable[nn.Module]) -> list[tuple[object, str, torch.Tensor
     seen: set[int] = set()
     for top in modules:
         for module in top.modules():
-            for name, p in module.named_parameters(recurse=False):
+            for p in module.parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append((p, "data", p.data))

@@ -139,11 +139,10 @@ inline void row_dots(const float* x, int64_t ldx, const float* wr, int64_t K, fl
   // alone through the same tree's first column.
   float sums[MB < 4 ? 4 : MB];
   const auto fold = [&](int m) { return v16_fold(v16_add(a0[m], a1[m])); };
-  const __m256 z = _mm256_setzero_ps();
   if constexpr (MB == 1) {
     sums[0] = hsum8(fold(0));
   } else if constexpr (MB == 2) {
-    hsum8x4(fold(0), fold(1), z, z, sums);
+    hsum8x4(fold(0), fold(1), _mm256_setzero_ps(), _mm256_setzero_ps(), sums);
   } else {
     static_assert(MB % 4 == 0, "row blocks of 1, 2 or a multiple of 4");
 #pragma GCC unroll 2
