@@ -151,6 +151,10 @@ class SpeculativeConfig:
     # continues the chain, the others are leaves of a draft tree (greedy requests only). The
     # policy verifies leaves only while they pay for their rows (inferd.spec.policy).
     draft_topk: int = 1
+    # eagle only, greedy requests, draft_topk 1: a verification of k drafts spends its k rows on
+    # the k nodes of the chain and the head's runner-up at each depth that the head finds likeliest
+    # (EAGLE-2's dynamic tree; inferd.spec.draft_tree). False: always the chain.
+    dynamic_tree: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -178,6 +182,8 @@ class SpeculativeConfig:
             bad(f"draft_topk must be an integer in [1, 8], got {t!r}")
         if t > 1 and self.method != "eagle":
             bad(f'draft_topk > 1 needs method "eagle", got {self.method!r}')
+        if not isinstance(self.dynamic_tree, bool):
+            bad(f"dynamic_tree must be true or false, got {self.dynamic_tree!r}")
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
             bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
 

@@ -12,6 +12,7 @@ from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
+from inferd.spec.draft_tree import rank_nodes
 from inferd.spec.policy import SpecPolicy
 from inferd.spec.proposer import Proposer
 
@@ -187,6 +188,71 @@ def test_eagle_draft_tree_greedy_identical(tiny_llama_gguf, reference, tmp_path)
     llm.engine.check_no_leaks()
 
 
+def test_eagle_dynamic_tree_greedy_identical(tiny_llama_gguf, reference, tmp_path):
+    """The default (dynamic_tree): greedy verifications spend their rows on the likeliest nodes
+    of chain and runner-ups, so an untrained head's near-uniform drafts put a runner-up leaf in
+    most steps; outputs unchanged, no block left behind. Off: chains alone."""
+    from inferd.spec.eagle_head import EagleHead
+
+    target = _llm(tiny_llama_gguf.path).engine.runner.model
+    torch.manual_seed(0)
+    EagleHead.for_target(target).save(tmp_path / "head")
+    spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    expected = [[o.token_ids for o in r.outputs] for r in reference]
+    for dynamic in (True, False):
+        llm = _llm(tiny_llama_gguf.path, {**spec, "dynamic_tree": dynamic})
+        got = _generate(llm)
+        assert [[o.token_ids for o in r.outputs] for r in got] == expected
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_drafts > 0
+        assert (stats.spec_leaf_tokens > 0) == dynamic
+        llm.engine.check_no_leaks()
+
+
+def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
+    from inferd.spec.eagle_head import DraftCache, EagleHead
+
+    target = _llm(tiny_llama_gguf.path).engine.runner.model
+    torch.manual_seed(0)
+    head = EagleHead.for_target(target).bind(target)
+    hidden = torch.randn(6, target.config.hidden_size)
+    tokens = torch.tensor([3, 9, 4, 1, 7, 2, 5])
+
+    def cache() -> DraftCache:
+        c = DraftCache(hidden, head.num_kv_heads, head.head_dim)
+        c.write(0, *head.cache_entries(hidden, tokens[1:], torch.arange(6)))
+        return c
+
+    chain, logits = head.draft([cache()], 3, return_logits=True)
+    chain2, (seconds, probs) = head.draft([cache()], 3, confidences=True)
+    assert torch.equal(chain, chain2) and seconds.shape == (1, 3) and probs.shape == (1, 3, 2)
+    for step in range(3):
+        p, top = logits[0, step].softmax(-1).topk(2)
+        assert top[0] == chain[0, step] and top[1] == seconds[0, step]
+        assert torch.allclose(probs[0, step], p, rtol=1e-5)
+
+
+@pytest.mark.parametrize("probs, budget, expected", [
+    # A confident head: the chain to its end.
+    ([(0.9, 0.05), (0.8, 0.1), (0.9, 0.05)], 3, (3, [])),
+    # Unsure at depth 1 (0.4 against 0.35): its runner-up (0.35) beats the third draft
+    # (0.4 * 0.9 * 0.8 = 0.29).
+    ([(0.4, 0.35), (0.9, 0.05), (0.8, 0.1)], 3, (2, [1])),
+    # Unsure at depth 2: the runner-up there (0.9 * 0.3) beats the third draft (0.9 * 0.4 * 0.6).
+    ([(0.9, 0.05), (0.4, 0.3), (0.6, 0.05)], 3, (2, [2])),
+    # Unsure from the start: depth 1's runner-up ties the first draft (0.3) and is taken, the
+    # second draft ties depth 2's runner-up (0.06) and is taken first.
+    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 3, (2, [1])),
+    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 4, (2, [1, 2])),
+    # A budget of one row: the likelier of the first draft and its runner-up, a tie to the chain.
+    ([(0.5, 0.5)], 1, (1, [])),
+    ([(0.6, 0.1), (0.9, 0.05)], 2, (2, [])),
+    ([(0.6, 0.3), (0.4, 0.3)], 2, (1, [1])),
+])  # fmt: skip
+def test_rank_nodes_verifies_the_likeliest_paths(probs, budget, expected):
+    assert rank_nodes(probs, budget) == expected
+
+
 def test_head_alternatives_are_the_next_likeliest_tokens(tiny_llama_gguf):
     from inferd.spec.eagle_head import DraftCache, EagleHead
 
@@ -239,6 +305,7 @@ def test_policy_verifies_leaves_while_they_pay():
     ('{"method": "eagle", "model": "x", "draft_topk": 9}', "draft_topk"),
     ('{"method": "eagle", "model": "x", "draft_topk": "2"}', "draft_topk"),
     ('{"method": "ngram", "draft_topk": 2}', "needs method"),
+    ('{"method": "eagle", "model": "x", "dynamic_tree": "yes"}', "dynamic_tree"),
 ])  # fmt: skip
 def test_bad_draft_topk(value, message):
     with pytest.raises(ValueError, match=message):

@@ -422,16 +422,21 @@ def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, 
         rows = zip(states.hidden, states.tokens, lengths)
         return [_cache_upto(head, h, t, n) for h, t, n in rows]
 
-    for k in (1, 4):
+    for k, confidences in ((1, False), (4, False), (3, True)):
         fused_caches = caches()
-        fused, _ = head.draft(fused_caches, k)
+        fused, extra = head.draft(fused_caches, k, confidences=confidences)
         head.__dict__["_fused"] = False  # the Python head: its cache entries, its chain
         try:
             python_caches = caches()
-            python, _ = head.draft(python_caches, k)
+            python, python_extra = head.draft(python_caches, k, confidences=confidences)
         finally:
             head.__dict__["_fused"] = None
         assert fused.shape == (3, k) and torch.equal(fused, python)
+        if confidences:  # the runner-ups and both probabilities: the same bits
+            (seconds, probs), (python_seconds, python_probs) = extra, python_extra
+            assert torch.equal(seconds, python_seconds) and torch.equal(probs, python_probs)
+            assert probs.shape == (3, k, 2) and bool((probs[..., 0] >= probs[..., 1]).all())
+            assert bool((seconds != fused).all())
         for a, b in zip(fused_caches, python_caches):
             rows = a.end - a.lo + k - 1  # the true rows and the chain's own keys
             assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])

@@ -113,6 +113,42 @@ def test_argmax_rows_is_torch_argmax():
     assert torch.equal(argmax_rows(bf), bf.argmax(dim=-1))
 
 
+@needs_kernels
+def test_runner_up_is_the_second_likeliest_and_its_probability():
+    """A draft tree's ranking (csrc/sampling_ops.h runner_up): the first index of the largest
+    value other than the argmax, the softmax probabilities of both (the vectorised exp within
+    1e-5 of torch's softmax), widths with and without a tail, ties, a row of -inf but one value,
+    a one-wide row, a NaN row (probabilities 0), rows with a stride."""
+    from inferd.kernels.quant_gemm import extension
+    from inferd.sampling.sampler import argmax_rows
+
+    ext = extension()
+    torch.manual_seed(1)
+    for n in (1, 2, 7, 9, 16384, 49152 + 5):
+        x = torch.randn(6, n + 4)[:, 2 : 2 + n] * 4
+        if n > 3:
+            x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # the best tied: the runner-up is the tie
+            x[2] = float("-inf")
+            x[2, n - 2] = 3.0  # the others all -inf: probability 1 and 0
+            x[3, 0] = x[3, n // 2] = x[3].max() + 2  # the best at index 0, tied later
+            x[4, 5 % n] = float("nan")
+        best = argmax_rows(x)
+        second, probs = ext.runner_up(x, best)
+        assert second.dtype == torch.long and probs.shape == (6, 2)
+        for r in range(6):
+            row = x[r]
+            if n > 3 and r == 4:
+                assert probs[r].tolist() == [0.0, 0.0]
+                continue
+            others = row.clone()
+            others[best[r]] = float("-inf")
+            expected = int(others.argmax()) if n > 1 else int(best[r])
+            assert int(second[r]) == expected, (n, r)
+            p = row.softmax(-1)
+            want = [p[best[r]].item(), p[expected].item() if n > 1 else 0.0]
+            torch.testing.assert_close(probs[r], torch.tensor(want), rtol=1e-5, atol=1e-7)
+
+
 def _kept_sets_agree(fast: torch.Tensor, slow: torch.Tensor, logits: torch.Tensor, top_k, top_p) -> None:
     """Each row keeps the same tokens with their logits (the rest -inf), except where the sorted
     path's fp32 cumulative sum and the kernel's fp64 one round to different sides of top_p: then

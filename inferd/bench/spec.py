@@ -95,6 +95,8 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
             configs.append((f"eagle k={k}" + (f" topk={topk}" if topk > 1 else ""),
                             {"method": "eagle", "model": args.eagle, "num_speculative_tokens": k,
                              "draft_topk": topk}))  # fmt: skip
+            if topk == 1 and getattr(args, "chain", False):  # the dynamic tree's own gain
+                configs.append((f"eagle k={k} chain", {**configs[-1][1], "dynamic_tree": False}))
     return configs
 
 
@@ -196,7 +198,10 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--draft-model", default=None, help="a draft model (GGUF / HF dir) sharing the tokenizer")
     p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.spec.train_eagle)")
     p.add_argument("--draft-topk", type=int, nargs="+", default=[1],
-                   help="eagle: draft trees to compare (1: a chain; t: t - 1 leaves per depth)")
+                   help="eagle: draft trees to compare (1: k rows, the chain or, greedy, "
+                        "its likeliest nodes with runner-ups; t: t - 1 more leaves per depth)")
+    p.add_argument("--chain", action="store_true",
+                   help="also run each eagle depth as plain chains (dynamic_tree off)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")

@@ -315,7 +315,7 @@ class EngineCore:
         if starts is not None:
             self._observe(out.scheduled, starts, batch.hidden)
         if self.spec_policy is not None and spec_seqs:
-            depth = max(len(s.spec_token_ids) for s in spec_seqs)
+            depth = max(s.spec_depth for s in spec_seqs)
             step_seconds = time.perf_counter() - step_start
             own = propose_seconds + verify_seconds  # speculation's own work beyond the forward
             self.spec_policy.record_speculation_time(own, depth, step_seconds)
@@ -369,8 +369,11 @@ class EngineCore:
             k = len(seq.spec_token_ids)
             # The last real token and the accepted drafts now have K/V; the rest is rolled back.
             seq.num_computed_tokens += 1 + res.num_accepted
-            chain = res.num_accepted - (res.leaf is not None)
-            self.spec_policy.record(seq, k, chain, seq.spec_leaves, res.leaf is not None)
+            if self.spec_policy.leaf_width:  # a fixed draft tree: the leaves' hit rate kept apart
+                chain = res.num_accepted - (res.leaf is not None)
+                self.spec_policy.record(seq, k, chain, seq.spec_leaves, res.leaf is not None)
+            else:  # a chain, or a dynamic tree in a chain's rows: what its k rows accepted
+                self.spec_policy.record(seq, seq.spec_depth, res.num_accepted)
             stats.spec_num_drafts += 1
             stats.spec_draft_tokens += k + len(seq.spec_leaves)
             stats.spec_accepted_tokens += res.num_accepted

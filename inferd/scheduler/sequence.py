@@ -60,6 +60,7 @@ class Sequence:
     # Leaves of a draft tree (greedy sequences only): (depth, token) alternatives to the draft at
     # that depth (1-based), each verified in a row of its own that sees the drafts above it.
     spec_leaves: list[tuple[int, int]] = field(default_factory=list)
+    spec_depth: int = 0  # how deep the drafts were drafted (set_drafts)
     spec_state: Any = None  # the speculation policy's per-sequence record (inferd.spec.policy)
 
     @property
@@ -83,10 +84,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
-                   leaves: list[tuple[int, int]] | None = None) -> None:  # fmt: skip
+                   leaves: list[tuple[int, int]] | None = None,
+                   depth: int | None = None) -> None:  # fmt: skip
+        """`depth`: how deep the proposer drafted (default: the chain's length; a dynamic draft
+        tree verifies fewer of its drafts and some runner-ups instead)."""
         self.spec_token_ids = token_ids
         self.spec_probs = probs
         self.spec_leaves = leaves or []
+        self.spec_depth = len(token_ids) if depth is None else depth
 
     def trim_drafts(self, k: int) -> None:
         """Keep the first k draft tokens (the step's token budget had no room for the rest)."""

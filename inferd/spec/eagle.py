@@ -27,6 +27,7 @@ import torch
 
 from inferd.config import SpeculativeConfig
 from inferd.scheduler.sequence import Sequence
+from inferd.spec.draft_tree import rank_nodes
 from inferd.spec.eagle_head import DraftCache
 from inferd.spec.proposer import Proposer
 
@@ -74,6 +75,9 @@ class EagleProposer(Proposer):
         # int4 linears on the CPU (the engine's packed tiles): a draft step streams every weight
         # of the head, k times per target step; drafts are only proposals, verification decides.
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
+        # Greedy chains spend their k rows on the k likeliest nodes of chain and runner-ups
+        # (inferd.spec.draft_tree) unless a fixed draft tree is asked for (draft_topk > 1).
+        self.dynamic_tree = spec.dynamic_tree and spec.draft_topk == 1
         self.caches: dict[int, DraftCache] = {}
         self.pending: dict[int, _Pending] = {}  # by sequence: rows not yet in its cache
 
@@ -128,9 +132,18 @@ class EagleProposer(Proposer):
             return
         width = max(w for *_, w in ready)
         caches = [self.caches[s.seq_id] for s, *_ in ready]
-        drafted, alts = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width)
-        alts = alts.tolist() if width else None
+        ranked = self.dynamic_tree and any(s.params.greedy for s, *_ in ready)
+        drafted, extra = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width,
+                                         confidences=ranked)  # fmt: skip
+        if ranked:
+            seconds, probs = extra[0].tolist(), extra[1].tolist()
+        alts = extra.tolist() if width else None
         for i, ((seq, k, w), row) in enumerate(zip(ready, drafted.tolist())):
+            if ranked and seq.params.greedy:
+                chain, depths = rank_nodes(probs[i][:k], k)
+                leaves = [(d, seconds[i][d - 1]) for d in depths]
+                seq.set_drafts(row[:chain], leaves=leaves, depth=k)
+                continue
             # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.
             leaves = [(d + 1, t) for d in range(k) for t in alts[i][d][:w]] if w else None
             seq.set_drafts(row[:k], leaves=leaves)

@@ -76,6 +76,21 @@ FINGERPRINT_DIMS = 16
 FINGERPRINT_MIN_COSINE = 0.98
 
 
+def _runner_up(
+    scores: torch.Tensor, best: torch.Tensor, ext: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next likeliest index after `best` (the first of the largest others) and the
+    softmax probabilities of the two [B, 2]: csrc/sampling_ops.h `runner_up` (the C++ chain's,
+    the same bits) when the kernels are there, else ATen's ops (equal within rounding)."""
+    if ext is not None and scores.is_cpu and scores.dtype == torch.float32:
+        return ext.runner_up(scores, best)
+    idx = best.unsqueeze(1)
+    second = argmax_rows(scores.clone().scatter_(1, idx, float("-inf")))
+    lse = torch.logsumexp(scores, 1, keepdim=True)
+    picked = torch.cat([scores.gather(1, idx), scores.gather(1, second.unsqueeze(1))], 1)
+    return second, (picked - lse).exp()
+
+
 def _fingerprint_ids(vocab_size: int) -> torch.Tensor:
     return torch.linspace(0, vocab_size - 1, 8).long()
 
@@ -541,7 +556,8 @@ class EagleHead(nn.Module):
         return_logits: bool = False,
         choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         alternatives: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        confidences: bool = False,
+    ) -> tuple[torch.Tensor, Any]:
         """Chains of k drafted tokens [B, k], one per cache, each from the cache's last position t
         (tokens t + 2 .. t + k + 1), and, when asked, the logits each was drafted from [B, k, V]
         fp32 (what rejection sampling needs as q). Every cache must hold a position.
@@ -551,13 +567,22 @@ class EagleHead(nn.Module):
 
         `alternatives` > 0 (greedy drafting only): the second value is instead, per chain and
         step, the next `alternatives` likeliest tokens after the drafted one [B, k, alternatives]
-        (a draft tree's leaves)."""
-        assert not alternatives or not (return_logits or choose), "alternatives: greedy chains only"
+        (a draft tree's leaves).
+
+        `confidences` (greedy drafting only): the second value is instead (runner-up tokens
+        [B, k], probabilities [B, k, 2]): at each step the next likeliest token after the drafted
+        one, and the softmax probability (over the draft vocabulary when one is set) of the
+        drafted token and of that runner-up, by which a draft tree ranks its nodes
+        (inferd.spec.draft_tree)."""
+        greedy = not (return_logits or choose)
+        assert greedy or not (alternatives or confidences), "alternatives, confidences: greedy only"
+        assert not (alternatives and confidences), "alternatives or confidences, not both"
         if not (alternatives or return_logits or choose) and k > 0:
             fused = self._fused_weights()
             if fused is not None:
-                return self._draft_fused(fused, caches, k), None
-        alts = []
+                tokens, seconds, probs = self._draft_fused(fused, caches, k, confidences)
+                return tokens, (seconds, probs) if confidences else None
+        alts, seconds, probs = [], [], []
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group, scale = nh // nkv, d**-0.5
@@ -595,6 +620,13 @@ class EagleHead(nn.Module):
             if alternatives:
                 tok, alt = self.greedy_top(feature, alternatives)
                 alts.append(alt)
+            elif confidences:
+                ids, scores = self._draft_scores(feature)
+                best = argmax_rows(scores)
+                second, prob = _runner_up(scores, best, self._kernels)
+                tok, second = (best, second) if ids is None else (ids[best], ids[second])
+                seconds.append(second)
+                probs.append(prob)
             elif not (return_logits or choose):
                 tok = self.greedy(feature)
             else:
@@ -609,6 +641,10 @@ class EagleHead(nn.Module):
         drafted = torch.stack(tokens, dim=1) if tokens else pos.new_empty(b, 0)
         if alternatives:
             return drafted, torch.stack(alts, dim=1) if alts else pos.new_empty(b, 0, alternatives)
+        if confidences:
+            if not seconds:
+                return drafted, (pos.new_empty(b, 0), x.new_empty(b, 0, 2))
+            return drafted, (torch.stack(seconds, dim=1), torch.stack(probs, dim=1))
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
 
     def _fused_weights(self) -> Any:
@@ -655,8 +691,11 @@ class EagleHead(nn.Module):
             self.__dict__["_kernel_shape"] = shape
         return shape
 
-    def _draft_fused(self, fused: Any, caches: list[DraftCache], k: int) -> torch.Tensor:
-        """`draft`'s greedy chains in one C++ call: the same tokens, the same keys left behind."""
+    def _draft_fused(
+        self, fused: Any, caches: list[DraftCache], k: int, confidences: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft`'s greedy chains in one C++ call: the same tokens, the same keys left behind;
+        (tokens, runner-ups, probabilities), the last two empty unless `confidences`."""
         for c in caches:
             c.reserve(k)
         x = torch.stack([c.x_last for c in caches])
@@ -665,7 +704,7 @@ class EagleHead(nn.Module):
         cos, sin = self.__dict__["_rope_full_table"]
         return self._kernels.eagle_draft_chains(
             fused, self._fused_shape(), x, pos, [c.k for c in caches], [c.v for c in caches],
-            [c.end - c.lo for c in caches], cos, sin, k,
+            [c.end - c.lo for c in caches], cos, sin, k, confidences,
         )  # fmt: skip
 
     # ---- disk --------------------------------------------------------------------------------

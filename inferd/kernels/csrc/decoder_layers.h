@@ -166,14 +166,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     torch::Tensor q = q_k[0].contiguous();
     torch::Tensor o = torch::empty_like(q);
     if (mirror_rows.has_value()) {  // a draft-tree leaf's scratch block repeats these keys
-      const torch::Tensor mk = q_k[1].index_select(0, *mirror_rows);
-      const torch::Tensor mv = v_rows.index_select(0, *mirror_rows);
       if (quantized) {
+        const torch::Tensor mk = q_k[1].index_select(0, *mirror_rows);
+        const torch::Tensor mv = v_rows.index_select(0, *mirror_rows);
         write_quantized(k_caches[i], quant.k_scales[i], *mirror_slots, mk, quant.code, quant.qmax);
         write_quantized(v_caches[i], quant.v_scales[i], *mirror_slots, mv, quant.code, quant.qmax);
       } else {
-        layer_ops::write_rows(k_caches[i], *mirror_slots, mk);
-        layer_ops::write_rows(v_caches[i], *mirror_slots, mv);
+        layer_ops::write_rows(k_caches[i], *mirror_slots, q_k[1], &*mirror_rows);
+        layer_ops::write_rows(v_caches[i], *mirror_slots, v_rows, &*mirror_rows);
       }
     }
     if (quantized) {

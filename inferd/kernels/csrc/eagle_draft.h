@@ -68,16 +68,24 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cache_entries(
 // v_bufs [cap, KVH, D] each sequence's cache buffers, `used` the true rows in them (room reserved
 // for k more).
 // Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
-inline torch::Tensor draft_chains(const HeadWeights& w, const decoder::Shape& s, torch::Tensor x,
-                                  torch::Tensor pos, const std::vector<torch::Tensor>& k_bufs,
-                                  const std::vector<torch::Tensor>& v_bufs,
-                                  const std::vector<int64_t>& used, const torch::Tensor& cos_table,
-                                  const torch::Tensor& sin_table, int64_t k) {
+// With `confidences`, also each step's runner-up token [B, k] and the draft vocabulary's softmax
+// probabilities of the drafted token and the runner-up [B, k, 2] (EagleHead.draft's); else
+// those two are empty.
+inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
+    const HeadWeights& w, const decoder::Shape& s, torch::Tensor x, torch::Tensor pos,
+    const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
+    const std::vector<int64_t>& used, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+    int64_t k, bool confidences) {
   const int64_t b = x.size(0), nh = s.n_heads, d = s.head_dim;
   TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == b && static_cast<int64_t>(v_bufs.size()) == b &&
                   static_cast<int64_t>(used.size()) == b && pos.numel() == b,
               "draft_chains: one cache and one position per chain");
   auto tokens = torch::empty({b, k}, torch::kInt64);
+  torch::Tensor seconds, probs;
+  if (confidences) {
+    seconds = torch::empty({b, k}, torch::kInt64);
+    probs = torch::empty({b, k, 2}, torch::kFloat32);
+  }
   const auto longs = torch::TensorOptions().dtype(torch::kInt64);
   const torch::Tensor zero = torch::zeros({1}, longs), one = torch::ones({1}, longs);
   const torch::Tensor table = torch::zeros({1, 1}, longs);  // each cache is one block of its own
@@ -101,14 +109,21 @@ inline torch::Tensor draft_chains(const HeadWeights& w, const decoder::Shape& s,
     const torch::Tensor mlp = decoder::linear(w.down, layer_ops::silu_mul(decoder::linear(w.gate_up, h, s)), s);
     const torch::Tensor feature = std::get<1>(layer_ops::add_rms_norm(y, mlp, w.out_norm, s.eps));
     // greedy, over the draft vocabulary
-    const torch::Tensor tok = w.vocab_ids.index_select(0, sampling_ops::argmax_rows(decoder::linear(w.vocab, feature, s)));
+    const torch::Tensor scores = decoder::linear(w.vocab, feature, s);
+    const torch::Tensor best = sampling_ops::argmax_rows(scores);
+    const torch::Tensor tok = w.vocab_ids.index_select(0, best);
     tokens.select(1, step).copy_(tok);
+    if (confidences) {
+      const auto [second, p] = sampling_ops::runner_up(scores, best);
+      seconds.select(1, step).copy_(w.vocab_ids.index_select(0, second));
+      probs.select(1, step).copy_(p);
+    }
     if (step + 1 < k) {  // the predicted feature beside the drafted token's embedding
       x = inputs(w, s, feature, tok);
       pos = pos + 1;
     }
   }
-  return tokens;
+  return {tokens, seconds, probs};
 }
 
 }  // namespace eagle

@@ -105,21 +105,29 @@ inline void narrow_row(const float* src, c10::BFloat16* dst, int64_t n) {
 }
 
 // cache [N, block_size, H, D] fp32, fp16 or bf16: the fp32 rows of `rows` [T, H, D] (each row's
-// H·D values contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch).
-inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
-  const int64_t t = rows.size(0), n = rows.size(1) * rows.size(2);
+// H·D values contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch);
+// with `which` [S] (int64), rows[which[i]] to slots[i] (a draft-tree leaf's mirrored keys,
+// without an index_select's copy: two of those per layer were ~0.15 ms of a decode step).
+inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows,
+                       const torch::Tensor* which = nullptr) {
+  const int64_t n = rows.size(1) * rows.size(2);
+  const int64_t t = which != nullptr ? which->numel() : rows.size(0);
   const auto dtype = cache.scalar_type();
   TORCH_CHECK(cache.is_contiguous() &&
                   (dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16) &&
                   rows.scalar_type() == torch::kFloat32 && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
-                  slots.scalar_type() == torch::kInt64 && slots.numel() == t,
-              "write_rows: fp32 / fp16 / bf16 cache, fp32 rows, int64 slots expected");
+                  slots.scalar_type() == torch::kInt64 && slots.numel() == t &&
+                  (which == nullptr || (which->scalar_type() == torch::kInt64 && which->is_contiguous())),
+              "write_rows: fp32 / fp16 / bf16 cache, fp32 rows, int64 slots (and rows) expected");
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* wp = which != nullptr ? which->data_ptr<int64_t>() : nullptr;
   const float* rp = rows.data_ptr<float>();
   const int64_t num_slots = cache.numel() / n;
   for (int64_t r = 0; r < t; ++r) {
     TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "write_rows: slot out of range");
-    const float* src = rp + r * rows.stride(0);
+    const int64_t row = wp != nullptr ? wp[r] : r;
+    TORCH_CHECK(row >= 0 && row < rows.size(0), "write_rows: row out of range");
+    const float* src = rp + row * rows.stride(0);
     if (dtype == torch::kFloat32)
       std::memcpy(cache.data_ptr<float>() + sp[r] * n, src, n * sizeof(float));
     else if (dtype == torch::kFloat16)
