@@ -209,10 +209,12 @@ def test_eagle_dynamic_tree_greedy_identical(tiny_llama_gguf, reference, tmp_pat
         llm.engine.check_no_leaks()
 
 
-def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
+def _untrained_head(path):
+    """An untrained head on the tiny target and a maker of fresh draft caches holding 6
+    positions (each draft writes its chain's keys into the cache it is given)."""
     from inferd.spec.eagle_head import DraftCache, EagleHead
 
-    target = _llm(tiny_llama_gguf.path).engine.runner.model
+    target = _llm(path).engine.runner.model
     torch.manual_seed(0)
     head = EagleHead.for_target(target).bind(target)
     hidden = torch.randn(6, target.config.hidden_size)
@@ -223,6 +225,11 @@ def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
         c.write(0, *head.cache_entries(hidden, tokens[1:], torch.arange(6)))
         return c
 
+    return head, cache
+
+
+def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
+    head, cache = _untrained_head(tiny_llama_gguf.path)
     chain, logits = head.draft([cache()], 3, return_logits=True)
     chain2, (seconds, probs) = head.draft([cache()], 3, confidences=True)
     assert torch.equal(chain, chain2) and seconds.shape == (1, 3) and probs.shape == (1, 3, 2)
@@ -254,19 +261,9 @@ def test_rank_nodes_verifies_the_likeliest_paths(probs, budget, expected):
 
 
 def test_head_alternatives_are_the_next_likeliest_tokens(tiny_llama_gguf):
-    from inferd.spec.eagle_head import DraftCache, EagleHead
-
-    target = _llm(tiny_llama_gguf.path).engine.runner.model
-    torch.manual_seed(0)
-    head = EagleHead.for_target(target).bind(target)
-    hidden = torch.randn(6, target.config.hidden_size)
-    tokens = torch.tensor([3, 9, 4, 1, 7, 2, 5])
-    cache = DraftCache(hidden, head.num_kv_heads, head.head_dim)
-    cache.write(0, *head.cache_entries(hidden, tokens[1:], torch.arange(6)))
-    chain, logits = head.draft([cache], 3, return_logits=True)
-    cache = DraftCache(hidden, head.num_kv_heads, head.head_dim)
-    cache.write(0, *head.cache_entries(hidden, tokens[1:], torch.arange(6)))
-    chain2, alts = head.draft([cache], 3, alternatives=2)
+    head, cache = _untrained_head(tiny_llama_gguf.path)
+    chain, logits = head.draft([cache()], 3, return_logits=True)
+    chain2, alts = head.draft([cache()], 3, alternatives=2)
     assert torch.equal(chain, chain2) and alts.shape == (1, 3, 2)
     for step in range(3):
         top = logits[0, step].topk(3).indices

@@ -67,94 +67,6 @@ inline torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// exp(x) of 8 lanes for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5
-// polynomial in r, times 2^n; relative error ~2e-7), 0 below -87 (where expf underflows anyway).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-}
-
-// The largest of v[lo, hi) (-inf when empty), and the first index in [lo, hi) holding `value`
-// (hi if none).
-inline float range_max(const float* v, int64_t lo, int64_t hi) {
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  int64_t i = lo;
-  for (; i + 8 <= hi; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(v + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float m = lanes[0];
-  for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
-  for (; i < hi; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-inline int64_t first_equal(const float* v, int64_t lo, int64_t hi, float value) {
-  const __m256 target = _mm256_set1_ps(value);
-  int64_t i = lo;
-  for (; i + 8 <= hi; i += 8)
-    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), target, _CMP_EQ_OQ)) != 0) break;
-  while (i < hi && v[i] != value) ++i;
-  return i;
-}
-
-// Each row's runner-up to `best` (its argmax_rows): the first index of the largest other value,
-// and the softmax probabilities of the two [T, 2] (a draft tree ranks its nodes by them). One
-// pass for the runner-up, one for the softmax's sum, no allocation: over ATen's ops (a clone, a
-// scatter, logsumexp) they were ~70 us a draft step, a fifth of a draft chain. A row holding a
-// NaN or +inf gets probabilities 0.
-inline std::tuple<torch::Tensor, torch::Tensor> runner_up(const torch::Tensor& scores, const torch::Tensor& best) {
-  TORCH_CHECK(scores.dim() == 2 && scores.size(1) > 0 && best.scalar_type() == torch::kLong &&
-                  best.numel() == scores.size(0),
-              "runner_up: scores [T, N] and their argmax [T] expected");
-  const int64_t t = scores.size(0), n = scores.size(1);
-  layer_ops::check_rows(scores, n, "runner_up");
-  auto second = torch::empty({t}, best.options());
-  auto probs = torch::empty({t, 2}, scores.options());
-  const float* sp = scores.data_ptr<float>();
-  const int64_t* bp = best.data_ptr<int64_t>();
-  int64_t* op = second.data_ptr<int64_t>();
-  float* pp = probs.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r) {
-    const float* v = sp + r * scores.stride(0);
-    const int64_t b = bp[r];
-    TORCH_CHECK(b >= 0 && b < n, "runner_up: best index out of range");
-    const float m = v[b];
-    // The largest value but at b, then its first index.
-    const float m2 = std::max(range_max(v, 0, b), range_max(v, b + 1, n));
-    int64_t j = first_equal(v, 0, b, m2);
-    if (j == b) j = first_equal(v, b + 1, n, m2);
-    op[r] = j < n ? j : b;
-    // sum of exp(v - m): 1 for the best itself.
-    __m256 acc = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(m);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(v + i), vm)));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    double z = 0.0;
-    for (int l = 0; l < 8; ++l) z += lanes[l];
-    for (; i < n; ++i) z += std::exp(static_cast<double>(v[i]) - m);
-    const bool ok = std::isfinite(m) && std::isfinite(z) && z >= 1.0 - 1e-3;
-    pp[2 * r] = ok ? static_cast<float>(1.0 / z) : 0.f;
-    pp[2 * r + 1] = ok && j < n ? static_cast<float>(std::exp(static_cast<double>(m2) - m) / z) : 0.f;
-  }
-  return {second, probs};
-}
-
 // The sampler's top-k then top-p filter: each row of logits [T, V] keeps its top_k[r] largest
 // (0: all), then, of those renormalised, the fewest largest whose probability mass reaches
 // top_p[r] (the largest always; 1: all); the rest become -inf. Ties keep the lower index.
@@ -199,6 +111,61 @@ inline float row_max(const float* l, int64_t v) {
   for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
   for (; i < v; ++i) m = std::max(m, l[i]);
   return m;
+}
+
+// The first index in [lo, hi) holding `value` (hi if none).
+inline int64_t first_equal(const float* v, int64_t lo, int64_t hi, float value) {
+  const __m256 target = _mm256_set1_ps(value);
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8)
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), target, _CMP_EQ_OQ)) != 0) break;
+  while (i < hi && v[i] != value) ++i;
+  return i;
+}
+
+// Each row's runner-up to `best` (its argmax_rows): the first index of the largest other value,
+// and the softmax probabilities of the two [T, 2] (a draft tree ranks its nodes by them). One
+// pass for the runner-up, one for the softmax's sum, no allocation: over ATen's ops (a clone, a
+// scatter, logsumexp) they were ~70 us a draft step, a fifth of a draft chain. A row holding a
+// NaN or +inf gets probabilities 0. (layer_ops' exp clamps below -87: those terms add ~1e-38.)
+inline std::tuple<torch::Tensor, torch::Tensor> runner_up(const torch::Tensor& scores, const torch::Tensor& best) {
+  TORCH_CHECK(scores.dim() == 2 && scores.size(1) > 0 && best.scalar_type() == torch::kLong &&
+                  best.numel() == scores.size(0),
+              "runner_up: scores [T, N] and their argmax [T] expected");
+  const int64_t t = scores.size(0), n = scores.size(1);
+  layer_ops::check_rows(scores, n, "runner_up");
+  auto second = torch::empty({t}, best.options());
+  auto probs = torch::empty({t, 2}, scores.options());
+  const float* sp = scores.data_ptr<float>();
+  const int64_t* bp = best.data_ptr<int64_t>();
+  int64_t* op = second.data_ptr<int64_t>();
+  float* pp = probs.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const float* v = sp + r * scores.stride(0);
+    const int64_t b = bp[r];
+    TORCH_CHECK(b >= 0 && b < n, "runner_up: best index out of range");
+    const float m = v[b];
+    // The largest value but at b, then its first index.
+    const float m2 = std::max(row_max(v, b), row_max(v + b + 1, n - b - 1));  // -inf when empty
+    int64_t j = first_equal(v, 0, b, m2);
+    if (j == b) j = first_equal(v, b + 1, n, m2);
+    op[r] = j < n ? j : b;
+    // sum of exp(v - m): 1 for the best itself.
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      acc = _mm256_add_ps(acc, layer_ops::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(v + i), vm)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    double z = 0.0;
+    for (int l = 0; l < 8; ++l) z += lanes[l];
+    for (; i < n; ++i) z += std::exp(static_cast<double>(v[i]) - m);
+    const bool ok = std::isfinite(m) && std::isfinite(z) && z >= 1.0 - 1e-3;
+    pp[2 * r] = ok ? static_cast<float>(1.0 / z) : 0.f;
+    pp[2 * r + 1] = ok && j < n ? static_cast<float>(std::exp(static_cast<double>(m2) - m) / z) : 0.f;
+  }
+  return {second, probs};
 }
 
 // Top-p alone on a row whose candidates are few (a language model's usual, peaked row): every
