@@ -12,7 +12,7 @@ from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
-from inferd.spec.draft_tree import rank_nodes
+from inferd.spec.draft_tree import SettledChains, rank_nodes
 from inferd.spec.policy import SpecPolicy
 from inferd.spec.proposer import Proposer
 
@@ -258,6 +258,36 @@ def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
 ])  # fmt: skip
 def test_rank_nodes_verifies_the_likeliest_paths(probs, budget, expected):
     assert rank_nodes(probs, budget) == expected
+
+
+def test_chains_settle_once_no_deeper_draft_can_be_verified():
+    """The early stop agrees with rank_nodes: a chain settles exactly when every node rank_nodes
+    picks from the full chain is already drafted."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        budget = rng.randint(1, 5)
+        probs = []
+        for _ in range(budget):
+            p1 = rng.random()
+            probs.append((p1, rng.random() * min(p1, 1 - p1)))
+        full = rank_nodes(probs, budget)
+        settled = SettledChains(1, budget)
+        depth = budget
+        for d in range(1, budget):
+            if settled.step(torch.tensor([probs[d - 1]])):
+                depth = d
+                break
+        assert rank_nodes(probs[:depth], budget) == full
+        assert full[0] <= depth and all(leaf <= depth for leaf in full[1])
+    # Two chains: settled only when both are.
+    both = SettledChains(2, 3)
+    assert not both.step(torch.tensor([[0.4, 0.35], [0.9, 0.05]]))
+    assert not both.step(torch.tensor([[0.5, 0.2], [0.9, 0.05]]))
+    alone = SettledChains(1, 3)
+    alone.step(torch.tensor([[0.4, 0.35]]))
+    assert alone.step(torch.tensor([[0.5, 0.2]]))  # depth 1's runner-up (0.35) beats c2 (0.2)
 
 
 def test_head_alternatives_are_the_next_likeliest_tokens(tiny_llama_gguf):

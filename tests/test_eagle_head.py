@@ -422,22 +422,32 @@ def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, 
         rows = zip(states.hidden, states.tokens, lengths)
         return [_cache_upto(head, h, t, n) for h, t, n in rows]
 
-    for k, confidences in ((1, False), (4, False), (3, True)):
+    flat = False
+    for k, confidences in ((1, False), (4, False), (3, True), (4, True), (4, "flat")):
+        if confidences == "flat" and not flat:
+            # Near-uniform drafts (the output norm scaled down): runner-ups outrank the deeper
+            # drafts, and both chains stop once no deeper draft could be verified.
+            with torch.no_grad():
+                head.out_norm.weight.mul_(1e-3)
+            flat = True
         fused_caches = caches()
-        fused, extra = head.draft(fused_caches, k, confidences=confidences)
+        fused, extra = head.draft(fused_caches, k, confidences=bool(confidences))
         head.__dict__["_fused"] = False  # the Python head: its cache entries, its chain
         try:
             python_caches = caches()
-            python, python_extra = head.draft(python_caches, k, confidences=confidences)
+            python, python_extra = head.draft(python_caches, k, confidences=bool(confidences))
         finally:
             head.__dict__["_fused"] = None
-        assert fused.shape == (3, k) and torch.equal(fused, python)
+        assert fused.shape[0] == 3 and (fused.shape[1] == k or confidences)
+        assert torch.equal(fused, python)
         if confidences:  # the runner-ups and both probabilities: the same bits
             (seconds, probs), (python_seconds, python_probs) = extra, python_extra
             assert torch.equal(seconds, python_seconds) and torch.equal(probs, python_probs)
-            assert probs.shape == (3, k, 2) and bool((probs[..., 0] >= probs[..., 1]).all())
+            steps = fused.shape[1]
+            assert probs.shape == (3, steps, 2) and bool((probs[..., 0] >= probs[..., 1]).all())
             assert bool((seconds != fused).all())
+            assert (steps < k) == flat  # stopped early only where runner-ups outrank
         for a, b in zip(fused_caches, python_caches):
-            rows = a.end - a.lo + k - 1  # the true rows and the chain's own keys
+            rows = a.end - a.lo + fused.shape[1] - 1  # the true rows and the chain's own keys
             assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])
             assert torch.equal(a.x_last, b.x_last)

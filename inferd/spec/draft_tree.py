@@ -24,6 +24,8 @@ emit 3.5-4 % more tokens.
 
 from __future__ import annotations
 
+import torch
+
 
 def rank_nodes(probs: list[tuple[float, float]], budget: int) -> tuple[int, list[int]]:
     """The `budget` likeliest nodes of a chain with runner-ups: probs[j] = (p1, p2) at depth
@@ -42,3 +44,28 @@ def rank_nodes(probs: list[tuple[float, float]], budget: int) -> tuple[int, list
     # never deeper than the chain.
     chain = sum(1 for _, leaf, _ in chosen if not leaf)
     return chain, sorted(d for _, leaf, d in chosen if leaf)
+
+
+class SettledChains:
+    """Drafting's early stop: after `depth` steps a chain can gain no deeper node in its `budget`
+    likeliest once its chain nodes and its runner-ups worth more than its deepest draft c_depth
+    are `budget` or more (a deeper node is worth at most c_depth, and loses ties to the chain's
+    shallower nodes): the chain's last drafts would be verified in no row. `step(probs)` takes
+    each chain's (p1, p2) of the next depth [B, 2] and says whether every chain has settled.
+    csrc/eagle_draft.h `chains_settled` is the same, in the same double arithmetic."""
+
+    def __init__(self, num_chains: int, budget: int) -> None:
+        self.budget = budget
+        self.depth = 0
+        self.path = [1.0] * num_chains
+        self.leaves: list[list[float]] = [[] for _ in range(num_chains)]
+
+    def step(self, probs: torch.Tensor) -> bool:
+        self.depth += 1
+        settled = True
+        for i, (p1, p2) in enumerate(probs.tolist()):
+            self.leaves[i].append(self.path[i] * p2)
+            self.path[i] *= p1
+            count = self.depth + sum(v > self.path[i] for v in self.leaves[i])
+            settled = settled and count >= self.budget
+        return settled

@@ -41,6 +41,7 @@ from torch import nn
 
 from inferd.sampling.sampler import argmax_rows
 from inferd.spec import draft_vocab
+from inferd.spec.draft_tree import SettledChains
 
 
 def _draft_linear(weight: torch.Tensor) -> nn.Module:
@@ -583,6 +584,7 @@ class EagleHead(nn.Module):
                 tokens, seconds, probs = self._draft_fused(fused, caches, k, confidences)
                 return tokens, (seconds, probs) if confidences else None
         alts, seconds, probs = [], [], []
+        settled = SettledChains(len(caches), k) if confidences else None
         b = len(caches)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group, scale = nh // nkv, d**-0.5
@@ -627,6 +629,9 @@ class EagleHead(nn.Module):
                 tok, second = (best, second) if ids is None else (ids[best], ids[second])
                 seconds.append(second)
                 probs.append(prob)
+                if step + 1 < k and settled.step(prob):  # no deeper draft could be verified
+                    tokens.append(tok)
+                    break
             elif not (return_logits or choose):
                 tok = self.greedy(feature)
             else:

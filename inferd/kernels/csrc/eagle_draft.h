@@ -70,7 +70,28 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cache_entries(
 // Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
 // With `confidences`, also each step's runner-up token [B, k] and the draft vocabulary's softmax
 // probabilities of the drafted token and the runner-up [B, k, 2] (EagleHead.draft's); else
-// those two are empty.
+// those two are empty. With `confidences` the chains also stop once no deeper draft can be
+// among any chain's k likeliest nodes (`chains_settled`): the three come back narrower.
+// inferd/spec/draft_tree.py's stopping rule: after `depth` steps, a chain whose drafts' path
+// probabilities are c_1 >= ... >= c_depth, with runner-ups at each depth, can gain no deeper node
+// in its k likeliest when its depth chain nodes and the runner-ups above c_depth are k or more
+// (a deeper node is worth at most c_depth, and loses ties to the chain's shallower nodes).
+// path[i], leaves[i]: each chain's c_depth and runner-up values so far, updated here with this
+// step's probabilities p [B, 2] (in double, as rank_nodes computes them).
+inline bool chains_settled(const torch::Tensor& p, int64_t depth, int64_t k, std::vector<double>& path,
+                           std::vector<std::vector<double>>& leaves) {
+  const float* pp = p.data_ptr<float>();
+  bool all = true;
+  for (size_t i = 0; i < path.size(); ++i) {
+    leaves[i].push_back(path[i] * static_cast<double>(pp[2 * i + 1]));
+    path[i] *= static_cast<double>(pp[2 * i]);
+    int64_t count = depth;
+    for (const double v : leaves[i]) count += v > path[i];
+    all = all && count >= k;
+  }
+  return all;
+}
+
 inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
     const HeadWeights& w, const decoder::Shape& s, torch::Tensor x, torch::Tensor pos,
     const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
@@ -89,6 +110,9 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
   const auto longs = torch::TensorOptions().dtype(torch::kInt64);
   const torch::Tensor zero = torch::zeros({1}, longs), one = torch::ones({1}, longs);
   const torch::Tensor table = torch::zeros({1, 1}, longs);  // each cache is one block of its own
+  std::vector<double> path(b, 1.0);
+  std::vector<std::vector<double>> leaves(b);
+  int64_t steps = k;
   for (int64_t step = 0; step < k; ++step) {
     auto [q_rows, kk, vv] = qkv_of(w, s, x, pos, cos_table, sin_table);
     if (step > 0)  // each chain's key and value from its previous step, after the true ones
@@ -117,12 +141,17 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
       const auto [second, p] = sampling_ops::runner_up(scores, best);
       seconds.select(1, step).copy_(w.vocab_ids.index_select(0, second));
       probs.select(1, step).copy_(p);
+      if (step + 1 < k && chains_settled(p, step + 1, k, path, leaves)) {
+        steps = step + 1;
+        break;
+      }
     }
     if (step + 1 < k) {  // the predicted feature beside the drafted token's embedding
       x = inputs(w, s, feature, tok);
       pos = pos + 1;
     }
   }
+  if (steps < k) return {tokens.narrow(1, 0, steps), seconds.narrow(1, 0, steps), probs.narrow(1, 0, steps)};
   return {tokens, seconds, probs};
 }
 
