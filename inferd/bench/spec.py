@@ -107,7 +107,7 @@ def _speedup(times: list[float], base: list[float]) -> float:
 
 
 def run_spec(args: argparse.Namespace) -> dict:
-    from inferd import LLM, SamplingParams
+    from inferd import LLM
     from inferd.loader import load_model
 
     loaded = load_model(args.model, verbose=False, quantization=args.quantization)
