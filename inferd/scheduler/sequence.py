@@ -101,6 +101,7 @@ class Sequence:
                 self.spec_probs = self.spec_probs[:k]
         if self.spec_leaves and self.spec_leaves[-1][0] > k:
             self.spec_leaves = [(d, t) for d, t in self.spec_leaves if d <= k]
+        self.spec_depth = min(self.spec_depth, len(self.spec_token_ids) + len(self.spec_leaves))
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -16,10 +16,10 @@ exceeds its parent's, nor a runner-up's its depth's draft's (p2 <= p1), so the c
 chain from the root with leaves at some of its depths: what the engine verifies (each leaf a row of
 its own, see inferd/engine/model_runner.py).
 
-Offline, along the target's greedy continuations with the shipped head (k = 3, fp32 target), the
-mean tokens per verification went from 1.84 to 1.90 on the bench's chat prompts, 1.90 to 1.97 on
-the held-out free-form questions and 2.07 to 2.15 on the held-out instructions: the same rows
-emit 3.5-4 % more tokens.
+Offline, along the target's greedy continuations (k = 3, fp32 target, the README's head), the mean
+tokens per verification went from 1.84 to 1.90 on the bench's chat prompts, 1.95 to 2.02 on the
+held-out free-form questions and 2.10 to 2.18 on the held-out instructions: the same rows emit
+3-4 % more tokens.
 """
 
 from __future__ import annotations

@@ -574,7 +574,8 @@ class EagleHead(nn.Module):
         [B, k], probabilities [B, k, 2]): at each step the next likeliest token after the drafted
         one, and the softmax probability (over the draft vocabulary when one is set) of the
         drafted token and of that runner-up, by which a draft tree ranks its nodes
-        (inferd.spec.draft_tree)."""
+        (inferd.spec.draft_tree); the chains then stop once no deeper draft could be among any
+        chain's k likeliest nodes (`SettledChains`), so all three may hold fewer than k steps."""
         greedy = not (return_logits or choose)
         assert greedy or not (alternatives or confidences), "alternatives, confidences: greedy only"
         assert not (alternatives and confidences), "alternatives or confidences, not both"

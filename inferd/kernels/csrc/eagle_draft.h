@@ -64,14 +64,6 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cache_entries(
   return {x, k, v};
 }
 
-// x [B, H]: each chain's first input (DraftCache.x_last); pos [B] int64: its position. k_bufs /
-// v_bufs [cap, KVH, D] each sequence's cache buffers, `used` the true rows in them (room reserved
-// for k more).
-// Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
-// With `confidences`, also each step's runner-up token [B, k] and the draft vocabulary's softmax
-// probabilities of the drafted token and the runner-up [B, k, 2] (EagleHead.draft's); else
-// those two are empty. With `confidences` the chains also stop once no deeper draft can be
-// among any chain's k likeliest nodes (`chains_settled`): the three come back narrower.
 // inferd/spec/draft_tree.py's stopping rule: after `depth` steps, a chain whose drafts' path
 // probabilities are c_1 >= ... >= c_depth, with runner-ups at each depth, can gain no deeper node
 // in its k likeliest when its depth chain nodes and the runner-ups above c_depth are k or more
@@ -92,6 +84,14 @@ inline bool chains_settled(const torch::Tensor& p, int64_t depth, int64_t k, std
   return all;
 }
 
+// x [B, H]: each chain's first input (DraftCache.x_last); pos [B] int64: its position. k_bufs /
+// v_bufs [cap, KVH, D] each sequence's cache buffers, `used` the true rows in them (room reserved
+// for k more).
+// Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
+// With `confidences`, also each step's runner-up token [B, k] and the draft vocabulary's softmax
+// probabilities of the drafted token and the runner-up [B, k, 2] (EagleHead.draft's); else
+// those two are empty. With `confidences` the chains also stop once no deeper draft can be
+// among any chain's k likeliest nodes (`chains_settled`): the three come back narrower.
 inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
     const HeadWeights& w, const decoder::Shape& s, torch::Tensor x, torch::Tensor pos,
     const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
