@@ -209,6 +209,37 @@ def test_eagle_dynamic_tree_greedy_identical(tiny_llama_gguf, reference, tmp_pat
         llm.engine.check_no_leaks()
 
 
+def test_dynamic_tree_beside_sampled_requests(tiny_llama_gguf, tmp_path):
+    """Greedy and sampled requests in one batch under the dynamic tree: only the greedy ones get
+    runner-up leaves (rejection sampling takes none: verify asserts it), the greedy outputs are
+    speculation-off's, the sampled ones run to their length; no block left behind."""
+    from inferd.spec.eagle_head import EagleHead
+
+    plain = _llm(tiny_llama_gguf.path)
+    torch.manual_seed(0)
+    head = EagleHead.for_target(plain.engine.runner.model)
+    with torch.no_grad():  # near-uniform drafts: runner-ups outrank the deeper drafts
+        head.out_norm.weight.mul_(1e-3)
+    head.save(tmp_path / "head")
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 == 0
+              else SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
+                                      "num_speculative_tokens": 3})  # fmt: skip
+    # Every decode verifies 3 rows (an untrained head's drafts would soon stop paying).
+    llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if i % 2 == 0:
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        else:
+            assert len(a.outputs[0].token_ids) == 20
+    assert llm.engine.get_stats().spec_leaf_tokens > 0
+    llm.engine.check_no_leaks()
+
+
 def _untrained_head(path):
     """An untrained head on the tiny target and a maker of fresh draft caches holding 6
     positions (each draft writes its chain's keys into the cache it is given)."""
