@@ -132,6 +132,8 @@ class EagleProposer(Proposer):
             return
         width = max(w for *_, w in ready)
         caches = [self.caches[s.seq_id] for s, *_ in ready]
+        # Ranked drafting stops once every chain has settled by the tree's rule, so a sampled
+        # sequence beside greedy ones may get a shorter chain (fewer drafts, verified losslessly).
         ranked = self.dynamic_tree and any(s.params.greedy for s, *_ in ready)
         drafted, extra = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width,
                                          confidences=ranked)  # fmt: skip

@@ -579,7 +579,7 @@ class EagleHead(nn.Module):
         greedy = not (return_logits or choose)
         assert greedy or not (alternatives or confidences), "alternatives, confidences: greedy only"
         assert not (alternatives and confidences), "alternatives or confidences, not both"
-        if not (alternatives or return_logits or choose) and k > 0:
+        if greedy and not alternatives and k > 0:
             fused = self._fused_weights()
             if fused is not None:
                 tokens, seconds, probs = self._draft_fused(fused, caches, k, confidences)
