@@ -43,7 +43,7 @@ class LeafOracle(Proposer):
     def _wrong(self, token: int, by: int) -> int:
         return (token + by) % self.vocab_size
 
-    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths=None, rows=None) -> None:
         for seq, k in zip(seqs, ks):
             truth = self.answers[tuple(seq.token_ids[: seq.num_prompt_tokens])][
                 seq.num_output_tokens :
@@ -206,6 +206,8 @@ def test_eagle_dynamic_tree_greedy_identical(tiny_llama_gguf, reference, tmp_pat
         stats = llm.engine.get_stats()
         assert stats.spec_num_drafts > 0
         assert (stats.spec_leaf_tokens > 0) == dynamic
+        # The ranked nodes' predicted value is checked against what verification accepted.
+        assert (llm.engine.spec_policy.calibration != 1.0) == dynamic
         llm.engine.check_no_leaks()
 
 
@@ -228,8 +230,10 @@ def test_dynamic_tree_beside_sampled_requests(tiny_llama_gguf, tmp_path):
     expected = plain.generate(prompts, params, use_tqdm=False)
     llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
                                       "num_speculative_tokens": 3})  # fmt: skip
-    # Every decode verifies 3 rows (an untrained head's drafts would soon stop paying).
+    # Every decode verifies 3 rows (an untrained head's drafts would soon stop paying, and its
+    # near-uniform confidence would have the policy verify one).
     llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
+    llm.engine.spec_policy.verified_rows = lambda values, batch_size: len(values)
     got = llm.generate(prompts, params, use_tqdm=False)
     for i, (a, b) in enumerate(zip(got, expected)):
         if i % 2 == 0:

@@ -351,6 +351,39 @@ def test_policy_shrinks_a_sequence_s_few_verifications_towards_the_others():
     assert policy.depths([unlucky], batch_size=1)[0] < 3
 
 
+def test_ranked_sequences_draft_deep_and_verify_what_their_confidence_pays_for():
+    """Where the proposer ranks a greedy sequence's nodes, the policy drafts k_max whenever any
+    depth pays, and picks the rows from the nodes' own values: the costs below (a dear third row
+    beside a cheap first, as a noisy start-up measurement gives) and an acceptance of 0.3 put a
+    chain at k = 1, which nothing would then re-measure."""
+    costs = {1: [0.03, 0.17, 0.17]}
+    ranked = SpecPolicy(3, None, costs, ranked=True)
+    chains = SpecPolicy(3, None, costs)
+    greedy = [Sequence("r", 0, [1, 2], 2, SamplingParams(temperature=0, max_tokens=100)) for _ in range(2)]
+    sampled = Sequence("r", 0, [1, 2], 2, SamplingParams(temperature=0.8, max_tokens=100))
+    for policy in (ranked, chains):
+        policy.depths(greedy + [sampled], batch_size=1)
+        for seq in greedy + [sampled]:
+            for i in range(30):
+                policy.record(seq, 1, int(i % 3 == 0))  # a third of the drafts accepted
+    assert chains.depths(greedy, batch_size=1) == [1, 1]
+    assert ranked.depths(greedy + [sampled], batch_size=1) == [3, 3, 1]  # sampled: chains
+    # The rows: a sure head verifies its three nodes, an unsure one its first; never none.
+    assert ranked.verified_rows([0.9, 0.6, 0.4], batch_size=1) == 3
+    assert ranked.verified_rows([0.3, 0.05, 0.02], batch_size=1) == 1
+    assert ranked.verified_rows([0.001, 0.0005, 0.0001], batch_size=1) == 1
+    assert ranked.verified_rows([], batch_size=1) == 0
+    # c: accepted tokens per unit of predicted value, across sequences. A head that claims twice
+    # what it gets has its values halved, and then verifies fewer rows.
+    assert ranked.calibration == pytest.approx(1.0)
+    values = [0.6, 0.2, 0.1]
+    assert ranked.verified_rows(values, batch_size=1) == 3
+    for _ in range(200):
+        ranked.record(greedy[0], 3, 1, expected=2.0)
+    assert ranked.calibration == pytest.approx(0.5, abs=0.01)
+    assert ranked.verified_rows(values, batch_size=1) == 1
+
+
 def test_calibration_measures_every_depth(tiny_llama_gguf):
     """The start-up measurement gives F(1..k) per batch size, non-decreasing in the depth and in
     the batch size, and frees its dummy sequences."""

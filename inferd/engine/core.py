@@ -140,7 +140,8 @@ class EngineCore:
             cost, leaf_cost = measure_verify_cost(self.runner, k, min(config.scheduler.max_num_seqs, 64),
                                                   mcfg.vocab_size, context=context, leaves=leaves)  # fmt: skip
             self.spec_policy = SpecPolicy(k, spec.disable_by_batch_size, cost, leaf_width=spec.draft_topk - 1,
-                                          leaf_cost=leaf_cost)  # fmt: skip
+                                          leaf_cost=leaf_cost,
+                                          ranked=self.proposer.ranks_drafts)  # fmt: skip
             self.stats.spec_method = spec.method
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
@@ -372,8 +373,9 @@ class EngineCore:
             if self.spec_policy.leaf_width:  # a fixed draft tree: the leaves' hit rate kept apart
                 chain = res.num_accepted - (res.leaf is not None)
                 self.spec_policy.record(seq, k, chain, seq.spec_leaves, res.leaf is not None)
-            else:  # a chain, or a dynamic tree in a chain's rows: what its k rows accepted
-                self.spec_policy.record(seq, seq.spec_depth, res.num_accepted)
+            else:  # a chain, or a dynamic tree in a chain's rows: what its rows accepted
+                rows = k + len(seq.spec_leaves)
+                self.spec_policy.record(seq, rows, res.num_accepted, expected=seq.spec_expected)
             stats.spec_num_drafts += 1
             stats.spec_draft_tokens += k + len(seq.spec_leaves)
             stats.spec_accepted_tokens += res.num_accepted
@@ -455,8 +457,10 @@ class EngineCore:
                 chosen.append(seq)
                 depths.append(k)
         if chosen:
-            widths = self.spec_policy.leaf_widths(chosen, depths, len(decoding))
-            self.proposer.propose(chosen, depths, widths)
+            policy, batch_size = self.spec_policy, len(decoding)
+            widths = policy.leaf_widths(chosen, depths, batch_size)
+            self.proposer.propose(chosen, depths, widths,
+                                  rows=lambda values: policy.verified_rows(values, batch_size))
         return time.perf_counter() - start
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

@@ -61,6 +61,9 @@ class Sequence:
     # that depth (1-based), each verified in a row of its own that sees the drafts above it.
     spec_leaves: list[tuple[int, int]] = field(default_factory=list)
     spec_depth: int = 0  # how deep the drafts were drafted (set_drafts)
+    # The proposer's own expectation of how many of the drafts and leaves are accepted (a ranking
+    # proposer's: the sum of their path probabilities), None where it has none.
+    spec_expected: float | None = None
     spec_state: Any = None  # the speculation policy's per-sequence record (inferd.spec.policy)
 
     @property
@@ -85,16 +88,19 @@ class Sequence:
 
     def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
                    leaves: list[tuple[int, int]] | None = None,
-                   depth: int | None = None) -> None:  # fmt: skip
+                   depth: int | None = None, expected: float | None = None) -> None:  # fmt: skip
         """`depth`: how deep the proposer drafted (default: the chain's length; a dynamic draft
-        tree verifies fewer of its drafts and some runner-ups instead)."""
+        tree verifies fewer of its drafts and some runner-ups instead). `expected`: how many of
+        the drafts and leaves the proposer expects accepted, if it knows."""
         self.spec_token_ids = token_ids
         self.spec_probs = probs
         self.spec_leaves = leaves or []
         self.spec_depth = len(token_ids) if depth is None else depth
+        self.spec_expected = expected
 
     def trim_drafts(self, k: int) -> None:
         """Keep the first k draft tokens (the step's token budget had no room for the rest)."""
+        rows = len(self.spec_token_ids) + len(self.spec_leaves)
         if len(self.spec_token_ids) > k:
             self.spec_token_ids = self.spec_token_ids[:k]
             if self.spec_probs is not None:
@@ -102,6 +108,8 @@ class Sequence:
         if self.spec_leaves and self.spec_leaves[-1][0] > k:
             self.spec_leaves = [(d, t) for d, t in self.spec_leaves if d <= k]
         self.spec_depth = min(self.spec_depth, len(self.spec_token_ids) + len(self.spec_leaves))
+        if len(self.spec_token_ids) + len(self.spec_leaves) < rows:
+            self.spec_expected = None  # the proposer's expectation was for the rows it chose
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -10,6 +10,7 @@ distributions are handed to the verifier for lossless rejection sampling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,8 @@ class DraftModelProposer(Proposer):
 
     # ---- proposing --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+                rows: Callable[[list[float]], int] | None = None) -> None:  # fmt: skip
         targets: list[Sequence] = []
         depths: list[int] = []
         scheduled: list[tuple[Sequence, int]] = []

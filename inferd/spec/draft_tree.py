@@ -27,23 +27,35 @@ from __future__ import annotations
 import torch
 
 
-def rank_nodes(probs: list[tuple[float, float]], budget: int) -> tuple[int, list[int]]:
-    """The `budget` likeliest nodes of a chain with runner-ups: probs[j] = (p1, p2) at depth
-    j + 1. Returns (how many of the chain's drafts to verify, the depths (1-based, ascending)
-    whose runner-up is verified as a leaf). Ties go to the chain's draft, then to the shallower
-    node."""
-    nodes = []  # (value, is_leaf, depth)
+Node = tuple[float, bool, int]  # (value, is a runner-up leaf, depth)
+
+
+def ranked_nodes(probs: list[tuple[float, float]]) -> list[Node]:
+    """Every node of a chain with runner-ups, likeliest first: probs[j] = (p1, p2) at depth
+    j + 1. Ties go to the chain's draft, then to the shallower node. Any prefix of the order is a
+    chain from the root with leaves at some of its depths: a runner-up's value is at most its
+    depth's draft's (p2 <= p1), which wins ties, so a leaf is never deeper than the chain."""
+    nodes: list[Node] = []
     path = 1.0
     for depth, (p1, p2) in enumerate(probs, start=1):
         nodes.append((path * p2, True, depth))
         path *= p1
         nodes.append((path, False, depth))
     nodes.sort(key=lambda n: (-n[0], n[1], n[2]))
+    return nodes
+
+
+def chosen_nodes(nodes: list[Node], budget: int) -> tuple[int, list[int]]:
+    """The first `budget` of ranked nodes as (how many of the chain's drafts to verify, the
+    depths (1-based, ascending) whose runner-up is verified as a leaf)."""
     chosen = nodes[: max(0, budget)]
-    # A runner-up's value is at most its depth's draft's (p2 <= p1), which wins ties: a leaf is
-    # never deeper than the chain.
     chain = sum(1 for _, leaf, _ in chosen if not leaf)
     return chain, sorted(d for _, leaf, d in chosen if leaf)
+
+
+def rank_nodes(probs: list[tuple[float, float]], budget: int) -> tuple[int, list[int]]:
+    """The `budget` likeliest nodes of a chain with runner-ups (`ranked_nodes`, `chosen_nodes`)."""
+    return chosen_nodes(ranked_nodes(probs), budget)
 
 
 class SettledChains:

@@ -20,6 +20,7 @@ time, so what it holds stays bounded and the head's weights are read once per ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ import torch
 
 from inferd.config import SpeculativeConfig
 from inferd.scheduler.sequence import Sequence
-from inferd.spec.draft_tree import rank_nodes
+from inferd.spec.draft_tree import chosen_nodes, ranked_nodes
 from inferd.spec.eagle_head import DraftCache
 from inferd.spec.proposer import Proposer
 
@@ -78,6 +79,7 @@ class EagleProposer(Proposer):
         # Greedy chains spend their k rows on the k likeliest nodes of chain and runner-ups
         # (inferd.spec.draft_tree) unless a fixed draft tree is asked for (draft_topk > 1).
         self.dynamic_tree = spec.dynamic_tree and spec.draft_topk == 1
+        self.ranks_drafts = self.dynamic_tree
         self.caches: dict[int, DraftCache] = {}
         self.pending: dict[int, _Pending] = {}  # by sequence: rows not yet in its cache
 
@@ -121,7 +123,8 @@ class EagleProposer(Proposer):
             at += n
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+                rows: Callable[[list[float]], int] | None = None) -> None:  # fmt: skip
         # A chain starts at the position before the last token: its entry pairs the target's
         # hidden state there with that token.
         widths = widths or [0] * len(seqs)
@@ -142,9 +145,12 @@ class EagleProposer(Proposer):
         alts = extra.tolist() if width else None
         for i, ((seq, k, w), row) in enumerate(zip(ready, drafted.tolist())):
             if ranked and seq.params.greedy:
-                chain, depths = rank_nodes(probs[i][:k], k)
+                nodes = ranked_nodes(probs[i][:k])
+                values = [v for v, *_ in nodes[:k]]
+                budget = k if rows is None else rows(values)
+                chain, depths = chosen_nodes(nodes, budget)
                 leaves = [(d, seconds[i][d - 1]) for d in depths]
-                seq.set_drafts(row[:chain], leaves=leaves, depth=k)
+                seq.set_drafts(row[:chain], leaves=leaves, depth=k, expected=sum(values[:budget]))
                 continue
             # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.
             leaves = [(d + 1, t) for d in range(k) for t in alts[i][d][:w]] if w else None

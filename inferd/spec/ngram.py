@@ -4,6 +4,8 @@ the output copies its input (rewriting, summarising, code edits, quoting)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from inferd.scheduler.sequence import Sequence
@@ -33,6 +35,7 @@ class NgramProposer(Proposer):
         self.n_min = n_min
         self.n_max = n_max
 
-    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None) -> None:
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+                rows: Callable[[list[float]], int] | None = None) -> None:  # fmt: skip
         for seq, k in zip(seqs, ks):
             seq.set_drafts(lookup(seq.token_ids, k, self.n_min, self.n_max))

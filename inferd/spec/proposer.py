@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,11 @@ class Proposer(ABC):
       deterministically (argmax, lookup) — the sampler's acceptance rule depends on it.
       `widths[i]` > 0 lets a proposer that ranks alternatives (eagle) add up to that many leaves
       per depth (`set_drafts(..., leaves=[(depth, token), ...])`, in depth order); others ignore it.
+    - A proposer that `ranks_drafts` (eagle's dynamic tree) knows, for a greedy sequence, the
+      probability that each node it could verify is the target's: it drafts the `k` asked, ranks
+      the nodes and asks `rows(values)` (the values of its k likeliest nodes, descending) how many
+      of them to verify, recording their sum with `set_drafts(..., expected=...)`. Without `rows`
+      it verifies k.
     - `observe` receives, after every step and only if `needs_hidden`, the target's final hidden
       states of the positions the step computed for each running sequence: its first position
       and the rows [n, hidden] (prompt chunks, plain decodes, a verification's last real token
@@ -30,11 +36,11 @@ class Proposer(ABC):
 
     method: str = ""
     needs_hidden: bool = False
+    ranks_drafts: bool = False
 
     @abstractmethod
-    def propose(
-        self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None
-    ) -> None: ...
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+                rows: Callable[[list[float]], int] | None = None) -> None: ...  # fmt: skip
 
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
         """hidden[i]: [n_i, hidden_size], positions starts[i] .. starts[i] + n_i - 1 of seqs[i]."""
