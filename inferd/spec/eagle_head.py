@@ -67,6 +67,11 @@ def _draft_linear(weight: torch.Tensor) -> nn.Module:
     return QuantizedLinear(packed)
 
 
+# A quantized draft vocabulary's scores within this of a step's best are rescored in fp32 (at most
+# RESCORE_MAX of them): int4 rounding moved the default model's head's scores by up to ~1.7.
+RESCORE_WITHIN = 2.0
+RESCORE_MAX = 16
+
 FORMAT = "inferd-eagle-head"
 ARCHITECTURE = "fc-attn-v1"
 WEIGHTS_FILE = "model.safetensors"
@@ -141,7 +146,7 @@ class DraftCache:
     states), in buffers that grow by doubling; `x_last` is the head's input at end - 1, where
     the next chain of drafts starts."""
 
-    __slots__ = ("k", "v", "lo", "end", "x_last")
+    __slots__ = ("end", "k", "lo", "v", "x_last")
 
     def __init__(self, like: torch.Tensor, kv_heads: int, head_dim: int) -> None:
         self.k = like.new_empty((16, kv_heads, head_dim))
@@ -232,6 +237,9 @@ class EagleHead(nn.Module):
         self.__dict__["_target"] = None
         # (token ids [N], LM head over those rows) when drafting over a reduced vocabulary.
         self.__dict__["_draft_vocab"] = None
+        # The target's fp32 LM head (the module) where those rows are a quantized copy of it:
+        # drafting rescores each step's close candidates against it (`_rescore_close`).
+        self.__dict__["_exact_from"] = None
         # The C++ CPU kernels once `for_inference` has set the head up for them (None: plain ops).
         self.__dict__["_kernels"] = None
 
@@ -278,6 +286,7 @@ class EagleHead(nn.Module):
         """Draft over these token ids only (inferd.spec.draft_vocab; None: the whole vocabulary):
         greedy drafting scores just their rows of the target's LM head. The rows are copied once
         (quantized heads stay quantized); training and `return_logits` still see every token."""
+        self.__dict__["_exact_from"] = None
         if ids is None:
             self.__dict__["_draft_vocab"] = None
             self.__dict__["_fused"] = None
@@ -300,6 +309,7 @@ class EagleHead(nn.Module):
                 # k = 3 chain's 5.5 ms; drafts only rank the tokens, verification scores the
                 # target's own fp32 logits.
                 rows = _draft_linear(picked)
+                self.__dict__["_exact_from"] = lm_head
             else:
                 rows = nn.Linear(picked.shape[1], len(ids), bias=False, device=picked.device,
                                  dtype=picked.dtype).requires_grad_(False)  # fmt: skip
@@ -440,8 +450,31 @@ class EagleHead(nn.Module):
         ids first) when one is set, else the whole vocabulary's logits (ids None)."""
         if self._draft_vocab is not None:
             ids, rows = self._draft_vocab
-            return ids, rows(feature.to(self.target.norm.weight.dtype))
+            feature = feature.to(self.target.norm.weight.dtype)
+            scores = rows(feature)
+            if self._exact_from is not None:
+                self._rescore_close(scores, feature, ids)
+            return ids, scores
         return None, self.compute_logits(feature)
+
+    def _rescore_close(
+        self, scores: torch.Tensor, feature: torch.Tensor, ids: torch.Tensor
+    ) -> None:
+        """In place: each row's scores within RESCORE_WITHIN of its max (at most RESCORE_MAX of
+        them) replaced by the target's fp32 LM head's (csrc/eagle_draft.h `rescore_close`, the C++
+        chain's, the same bits; without the kernels, ATen's, equal within rounding)."""
+        table = self._exact_from.weight.detach()
+        rows = scores.view(-1, scores.shape[-1])  # a linear's fresh output: a view, written through
+        x = feature.reshape(-1, feature.shape[-1]).contiguous()
+        ext = self._kernels
+        if ext is not None and scores.is_cpu:
+            ids = ids.long().contiguous()
+            ext.eagle_rescore_close(rows, x, ids, table, RESCORE_WITHIN, RESCORE_MAX)
+            return
+        top, at = rows.topk(min(RESCORE_MAX, rows.shape[-1]), dim=-1)
+        close = top >= rows.max(-1, keepdim=True).values - RESCORE_WITHIN
+        exact = torch.einsum("bh,bch->bc", x.float(), table[ids[at]].float())
+        rows.scatter_(-1, at, torch.where(close, exact.to(top.dtype), top))
 
     def greedy(self, feature: torch.Tensor) -> torch.Tensor:
         """The draft token of each feature [..., H]: argmax of the target's LM head, over the
@@ -678,13 +711,17 @@ class EagleHead(nn.Module):
                                         self.mlp_norm, self.out_norm)]  # fmt: skip
             kinds = [kernel_linear_weights(ext, m) for m in linears]
             ids = self._draft_vocab[0].long()
+            exact = {}
+            if self._exact_from is not None:
+                exact = {"exact": self._exact_from.weight.detach(), "exact_within": RESCORE_WITHIN,
+                         "exact_max": RESCORE_MAX}  # fmt: skip
             if isinstance(embed, Embedding) and embed.weight.dtype == torch.float32:
-                fused = ext.EagleHeadWeights(norms, kinds, ids, embed.weight)
+                fused = ext.EagleHeadWeights(norms, kinds, ids, embed.weight, **exact)
             elif (isinstance(embed, QuantizedEmbedding) and embed.qweight.layout == "tiles"
                   and embed.dtype == torch.float32):  # fmt: skip
                 w = embed.qweight
                 mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
-                fused = ext.EagleHeadWeights(norms, kinds, ids, w.data, w.scales, mins)
+                fused = ext.EagleHeadWeights(norms, kinds, ids, w.data, w.scales, mins, **exact)
         self.__dict__["_fused"] = fused
         return fused or None
 
