@@ -48,6 +48,8 @@ constexpr int64_t kMaxRows = 8;
 // chat prompts, alternated in one process: 88.0 against 82.5 tok/s; the eagle head's proposing
 // 0.42 ms against 0.82, its speedup 1.50x against 1.40x.
 constexpr int64_t kPrefetchFloats = 1024;
+// The gap `linear` leaves between long rows of x it copies (see there).
+constexpr int64_t kRowGapFloats = 128;
 
 // 16 fp32 lanes: one AVX-512 register, or two AVX2 registers computing the same lanes.
 #ifdef __AVX512F__
@@ -200,14 +202,20 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, cons
   // 4 they take ~1.2x. A row's bits do not depend on the rows beside it, so padding changes none.
   const bool pad = kRowBlock >= 4 && M % 4 == 3;
   const int64_t rows = pad ? M + 1 : M;
-  std::unique_ptr<float[]> buf;  // the padded rows, 64-byte aligned like a tensor's (a row
-  if (pad) {                     // of vector loads across two cache lines each ran 1.3x slower)
-    buf.reset(new float[static_cast<size_t>(rows * K + 16)]);
-    float* padded = buf.get() + ((16 - (reinterpret_cast<uintptr_t>(buf.get()) / 4) % 16) % 16);
-    for (int64_t m = 0; m < M; ++m) std::copy(xp + m * ldx, xp + m * ldx + K, padded + m * K);
-    std::fill(padded + M * K, padded + rows * K, 0.f);
-    xp = padded;
-    ldx = K;
+  // Rows of x 1,536 floats apart (the default model's down projection, every x row in L1 beside
+  // the weight stream) ran 1.11-1.12x slower at 4 rows than the same rows 128 or more floats
+  // further apart, 1.03-1.04x a 1-row pass (256 floats apart or fewer: no change; 576-float rows
+  // unaffected); the model's whole 4-row pass was 1.17x a 1-row one in a fast phase, a third of
+  // it this matrix's. Measured only; no counters here to say which cache structure conflicts.
+  const int64_t stride = M >= 2 && K >= 1024 ? K + kRowGapFloats : K;
+  std::unique_ptr<float[]> buf;  // the copied rows, 64-byte aligned like a tensor's (a row
+  if (pad || stride != K) {      // of vector loads across two cache lines each ran 1.3x slower)
+    buf.reset(new float[static_cast<size_t>(rows * stride + 16)]);
+    float* copy = buf.get() + ((16 - (reinterpret_cast<uintptr_t>(buf.get()) / 4) % 16) % 16);
+    for (int64_t m = 0; m < M; ++m) std::copy(xp + m * ldx, xp + m * ldx + K, copy + m * stride);
+    for (int64_t m = M; m < rows; ++m) std::fill(copy + m * stride, copy + m * stride + K, 0.f);
+    xp = copy;
+    ldx = stride;
   }
   auto y = torch::empty({rows, N}, x.options());
   float* yp = y.data_ptr<float>();
