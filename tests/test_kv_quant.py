@@ -211,6 +211,33 @@ def test_copy_blocks_copies_scales() -> None:
     assert torch.equal(cache.scales[:, :, 3], cache.scales[:, :, 1])
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_copy_slots_moves_every_layer_s_rows(kv_dtype) -> None:
+    """KV rows of flat slots src -> dst in every layer, K and V, scales too: the kernel's copy
+    (csrc/layer_ops.h) is ATen's `data[:, :, dst] = data[:, :, src]`, every source read before
+    any destination is written (a slot both copied and overwritten gives its old row)."""
+    g = torch.Generator().manual_seed(5)
+    if kv_dtype == "auto":
+        data = torch.randn(3, 2, 4, 4, 2, 8, generator=g)
+    else:
+        data = torch.randint(0, 256, (3, 2, 4, 4, 2, 8), generator=g, dtype=torch.uint8)
+    cache = KVCache(data, kv_dtype)
+    if cache.scales is not None:
+        cache.scales.copy_(torch.randn(cache.scales.shape, generator=g))
+    src, dst = torch.tensor([5, 14, 3]), torch.tensor([9, 5, 15])  # 5: read, then written
+    pools = [t for t in (cache.data, cache.scales) if t is not None]
+    want = [t.clone().view(3, 2, 16, *t.shape[4:]) for t in pools]
+    for t in want:
+        t[:, :, dst] = t[:, :, src]
+    cache.copy_slots(src, dst)
+    assert torch.equal(cache.data.view_as(want[0]), want[0])
+    if cache.scales is not None:
+        assert torch.equal(cache.scales.view_as(want[1]), want[1])
+    if extension() is not None:
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            cache.copy_slots(torch.tensor([16]), torch.tensor([0]))
+
+
 @pytest.mark.parametrize("name", NARROW)
 def test_pool_holds_two_or_about_four_times_the_fp32_tokens(tiny_llama_hf, name) -> None:
     from inferd.engine.core import EngineCore

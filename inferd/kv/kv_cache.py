@@ -104,6 +104,12 @@ def dequantize_kv(
     return (values * scale.unsqueeze(-1)).to(dtype)
 
 
+def _cpu_kernels():
+    from inferd.kernels.quant_gemm import extension
+
+    return extension()
+
+
 @functools.cache
 def _code_values(name: str, device: str) -> torch.Tensor:
     """fp32 value of each of the 256 codes of format `name`."""
@@ -173,6 +179,12 @@ class KVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Flat slots `src` → `dst` in every layer, K and V (scales too)."""
+        ext = _cpu_kernels() if self.data.is_cpu else None
+        if ext is not None:  # csrc/layer_ops.h: a few rows, where ATen's indexing took ~90 us
+            ext.copy_slots(self.data, src, dst)
+            if self.scales is not None:
+                ext.copy_slots(self.scales, src, dst)
+            return
         layers, two, blocks, bs = self.data.shape[:4]
         data = self.data.view(layers, two, blocks * bs, *self.data.shape[4:])
         data[:, :, dst] = data[:, :, src]

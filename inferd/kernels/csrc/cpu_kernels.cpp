@@ -62,6 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The layers' elementwise ops on fp32 CPU rows (layer_ops.h): the Python layers call them too.
   m.def("rms_norm", &layer_ops::rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("add_rms_norm", &layer_ops::add_rms_norm, "(x + delta, rms_norm(x + delta))");
+  m.def("copy_slots", &layer_ops::copy_slots, "KV rows of flat slots src -> dst in every layer, K and V");
   m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
   // The sampler's row work (sampling_ops.h).
