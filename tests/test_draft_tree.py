@@ -263,14 +263,14 @@ def _untrained_head(path):
     return head, cache
 
 
-def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
+def test_head_confidences_are_its_top_three_probabilities(tiny_llama_gguf):
     head, cache = _untrained_head(tiny_llama_gguf.path)
     chain, logits = head.draft([cache()], 3, return_logits=True)
-    chain2, (seconds, probs) = head.draft([cache()], 3, confidences=True)
-    assert torch.equal(chain, chain2) and seconds.shape == (1, 3) and probs.shape == (1, 3, 2)
+    chain2, (others, probs) = head.draft([cache()], 3, confidences=True)
+    assert torch.equal(chain, chain2) and others.shape == (1, 3, 2) and probs.shape == (1, 3, 3)
     for step in range(3):
-        p, top = logits[0, step].softmax(-1).topk(2)
-        assert top[0] == chain[0, step] and top[1] == seconds[0, step]
+        p, top = logits[0, step].softmax(-1).topk(3)
+        assert top[0] == chain[0, step] and torch.equal(top[1:], others[0, step])
         assert torch.allclose(probs[0, step], p, rtol=1e-5)
 
 
@@ -279,17 +279,22 @@ def test_head_confidences_are_its_top_two_probabilities(tiny_llama_gguf):
     ([(0.9, 0.05), (0.8, 0.1), (0.9, 0.05)], 3, (3, [])),
     # Unsure at depth 1 (0.4 against 0.35): its runner-up (0.35) beats the third draft
     # (0.4 * 0.9 * 0.8 = 0.29).
-    ([(0.4, 0.35), (0.9, 0.05), (0.8, 0.1)], 3, (2, [1])),
+    ([(0.4, 0.35), (0.9, 0.05), (0.8, 0.1)], 3, (2, [(1, 0)])),
     # Unsure at depth 2: the runner-up there (0.9 * 0.3) beats the third draft (0.9 * 0.4 * 0.6).
-    ([(0.9, 0.05), (0.4, 0.3), (0.6, 0.05)], 3, (2, [2])),
+    ([(0.9, 0.05), (0.4, 0.3), (0.6, 0.05)], 3, (2, [(2, 0)])),
     # Unsure from the start: depth 1's runner-up ties the first draft (0.3) and is taken, the
     # second draft ties depth 2's runner-up (0.06) and is taken first.
-    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 3, (2, [1])),
-    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 4, (2, [1, 2])),
+    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 3, (2, [(1, 0)])),
+    ([(0.3, 0.3), (0.2, 0.2), (0.5, 0.1)], 4, (2, [(1, 0), (2, 0)])),
     # A budget of one row: the likelier of the first draft and its runner-up, a tie to the chain.
     ([(0.5, 0.5)], 1, (1, [])),
     ([(0.6, 0.1), (0.9, 0.05)], 2, (2, [])),
-    ([(0.6, 0.3), (0.4, 0.3)], 2, (1, [1])),
+    ([(0.6, 0.3), (0.4, 0.3)], 2, (1, [(1, 0)])),
+    # Thirds: a flat first depth's third (0.25) beats the second draft (0.3 * 0.5); a tie between
+    # a runner-up and a third goes to the runner-up.
+    ([(0.3, 0.28, 0.25), (0.5, 0.2, 0.1)], 3, (1, [(1, 0), (1, 1)])),
+    ([(0.3, 0.2, 0.2), (0.9, 0.05, 0.01)], 3, (2, [(1, 0)])),
+    ([(0.3, 0.2, 0.2), (0.9, 0.05, 0.01)], 4, (2, [(1, 0), (1, 1)])),
 ])  # fmt: skip
 def test_rank_nodes_verifies_the_likeliest_paths(probs, budget, expected):
     assert rank_nodes(probs, budget) == expected
@@ -304,18 +309,21 @@ def test_chains_settle_once_no_deeper_draft_can_be_verified():
     for _ in range(500):
         budget = rng.randint(1, 5)
         probs = []
+        alternatives = rng.randint(1, 2)
         for _ in range(budget):
             p1 = rng.random()
-            probs.append((p1, rng.random() * min(p1, 1 - p1)))
+            p2 = rng.random() * min(p1, 1 - p1)
+            p3 = rng.random() * min(p2, 1 - p1 - p2)
+            probs.append((p1, p2, p3)[: 1 + alternatives])
         full = rank_nodes(probs, budget)
         settled = SettledChains(1, budget)
         depth = budget
         for d in range(1, budget):
-            if settled.step(torch.tensor([probs[d - 1]])):
+            if settled.step(torch.tensor([probs[d - 1]], dtype=torch.float64)):
                 depth = d
                 break
         assert rank_nodes(probs[:depth], budget) == full
-        assert full[0] <= depth and all(leaf <= depth for leaf in full[1])
+        assert full[0] <= depth and all(d <= depth for d, _ in full[1])
     # Two chains: settled only when both are.
     both = SettledChains(2, 3)
     assert not both.step(torch.tensor([[0.4, 0.35], [0.9, 0.05]]))
@@ -323,6 +331,13 @@ def test_chains_settle_once_no_deeper_draft_can_be_verified():
     alone = SettledChains(1, 3)
     alone.step(torch.tensor([[0.4, 0.35]]))
     assert alone.step(torch.tensor([[0.5, 0.2]]))  # depth 1's runner-up (0.35) beats c2 (0.2)
+    # Four rows: after depth 2 (c2 = 0.15) depth 1's runner-up and third both beat any deeper
+    # draft; with runner-ups alone, a third draft could still be among the four.
+    thirds, seconds = SettledChains(1, 4), SettledChains(1, 4)
+    assert not thirds.step(torch.tensor([[0.3, 0.28, 0.25]]))
+    assert thirds.step(torch.tensor([[0.5, 0.1, 0.05]]))
+    assert not seconds.step(torch.tensor([[0.3, 0.28]]))
+    assert not seconds.step(torch.tensor([[0.5, 0.1]]))
 
 
 def test_head_alternatives_are_the_next_likeliest_tokens(tiny_llama_gguf):

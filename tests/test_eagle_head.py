@@ -477,12 +477,14 @@ def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, 
             head.__dict__["_fused"] = None
         assert fused.shape[0] == 3 and (fused.shape[1] == k or confidences)
         assert torch.equal(fused, python)
-        if confidences:  # the runner-ups and both probabilities: the same bits
-            (seconds, probs), (python_seconds, python_probs) = extra, python_extra
-            assert torch.equal(seconds, python_seconds) and torch.equal(probs, python_probs)
+        if confidences:  # the alternatives and all probabilities: the same bits
+            (others, probs), (python_others, python_probs) = extra, python_extra
+            assert torch.equal(others, python_others) and torch.equal(probs, python_probs)
             steps = fused.shape[1]
-            assert probs.shape == (3, steps, 2) and bool((probs[..., 0] >= probs[..., 1]).all())
-            assert bool((seconds != fused).all())
+            assert others.shape == (3, steps, 2) and probs.shape == (3, steps, 3)
+            assert bool((probs[..., :-1] >= probs[..., 1:]).all())  # drafted, runner-up, third
+            assert bool((others != fused.unsqueeze(-1)).all())
+            assert bool((others[..., 0] != others[..., 1]).all())
             assert (steps < k) == flat  # stopped early only where runner-ups outrank
         for a, b in zip(fused_caches, python_caches):
             rows = a.end - a.lo + fused.shape[1] - 1  # the true rows and the chain's own keys

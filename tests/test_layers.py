@@ -114,11 +114,12 @@ def test_argmax_rows_is_torch_argmax():
 
 
 @needs_kernels
-def test_runner_up_is_the_second_likeliest_and_its_probability():
-    """A draft tree's ranking (csrc/sampling_ops.h runner_up): the first index of the largest
-    value other than the argmax, the softmax probabilities of both (the vectorised exp within
-    1e-5 of torch's softmax), widths with and without a tail, ties, a row of -inf but one value,
-    a one-wide row, a NaN row (probabilities 0), rows with a stride."""
+def test_runner_ups_are_the_next_likeliest_and_their_probabilities():
+    """A draft tree's ranking (csrc/sampling_ops.h runner_ups): after the argmax, the first index
+    of the largest value not yet picked, twice, and the softmax probabilities of all three (the
+    vectorised exp within 1e-5 of torch's softmax); widths with and without a tail, ties, a row
+    of -inf but one value, rows too narrow for a pick (best again, probability 0), a NaN row
+    (probabilities 0), rows with a stride."""
     from inferd.kernels.quant_gemm import extension
     from inferd.sampling.sampler import argmax_rows
 
@@ -127,25 +128,31 @@ def test_runner_up_is_the_second_likeliest_and_its_probability():
     for n in (1, 2, 7, 9, 16384, 49152 + 5):
         x = torch.randn(6, n + 4)[:, 2 : 2 + n] * 4
         if n > 3:
-            x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # the best tied: the runner-up is the tie
+            x[1, n // 3] = x[1, n - 1] = x[1, 1] = x[1].max() + 1  # the best tied: the others too
             x[2] = float("-inf")
             x[2, n - 2] = 3.0  # the others all -inf: probability 1 and 0
             x[3, 0] = x[3, n // 2] = x[3].max() + 2  # the best at index 0, tied later
             x[4, 5 % n] = float("nan")
         best = argmax_rows(x)
-        second, probs = ext.runner_up(x, best)
-        assert second.dtype == torch.long and probs.shape == (6, 2)
+        others, probs = ext.runner_ups(x, best, 2)
+        assert others.dtype == torch.long and others.shape == (6, 2) and probs.shape == (6, 3)
         for r in range(6):
             row = x[r]
             if n > 3 and r == 4:
-                assert probs[r].tolist() == [0.0, 0.0]
+                assert probs[r].tolist() == [0.0, 0.0, 0.0]
                 continue
-            others = row.clone()
-            others[best[r]] = float("-inf")
-            expected = int(others.argmax()) if n > 1 else int(best[r])
-            assert int(second[r]) == expected, (n, r)
+            taken, want_idx = {int(best[r])}, []
+            for _ in range(2):
+                left = [i for i in range(n) if i not in taken]
+                if left:  # the first of the largest values left
+                    top = max(row[i].item() for i in left)
+                    want_idx.append(next(i for i in left if row[i].item() == top))
+                    taken.add(want_idx[-1])
+            assert others[r, : len(want_idx)].tolist() == want_idx, (n, r)
+            assert (others[r, len(want_idx) :] == best[r]).all()  # too narrow: best again
             p = row.softmax(-1)
-            want = [p[best[r]].item(), p[expected].item() if n > 1 else 0.0]
+            want = [p[best[r]].item()] + [p[i].item() for i in want_idx]
+            want += [0.0] * (2 - len(want_idx))
             torch.testing.assert_close(probs[r], torch.tensor(want), rtol=1e-5, atol=1e-7)
 
 

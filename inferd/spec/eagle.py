@@ -141,15 +141,15 @@ class EagleProposer(Proposer):
         drafted, extra = self.head.draft(caches, max(k for _, k, _ in ready), alternatives=width,
                                          confidences=ranked)  # fmt: skip
         if ranked:
-            seconds, probs = extra[0].tolist(), extra[1].tolist()
+            others, probs = extra[0].tolist(), extra[1].tolist()
         alts = extra.tolist() if width else None
         for i, ((seq, k, w), row) in enumerate(zip(ready, drafted.tolist())):
             if ranked and seq.params.greedy:
                 nodes = ranked_nodes(probs[i][:k])
                 values = [v for v, *_ in nodes[:k]]
                 budget = k if rows is None else rows(values)
-                chain, depths = chosen_nodes(nodes, budget)
-                leaves = [(d, seconds[i][d - 1]) for d in depths]
+                chain, picked = chosen_nodes(nodes, budget)
+                leaves = [(d, others[i][d - 1][a]) for d, a in picked]
                 seq.set_drafts(row[:chain], leaves=leaves, depth=k, expected=sum(values[:budget]))
                 continue
             # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.

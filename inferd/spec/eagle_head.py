@@ -71,6 +71,9 @@ def _draft_linear(weight: torch.Tensor) -> nn.Module:
 # RESCORE_MAX of them): int4 rounding moved the default model's head's scores by up to ~1.7.
 RESCORE_WITHIN = 2.0
 RESCORE_MAX = 16
+# A ranked chain's alternatives at each depth: the runner-up and the third likeliest token
+# (csrc/eagle_draft.h kAlternatives, the same number).
+ALTERNATIVES = 2
 
 FORMAT = "inferd-eagle-head"
 ARCHITECTURE = "fc-attn-v1"
@@ -82,19 +85,23 @@ FINGERPRINT_DIMS = 16
 FINGERPRINT_MIN_COSINE = 0.98
 
 
-def _runner_up(
+def _runner_ups(
     scores: torch.Tensor, best: torch.Tensor, ext: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's next likeliest index after `best` (the first of the largest others) and the
-    softmax probabilities of the two [B, 2]: csrc/sampling_ops.h `runner_up` (the C++ chain's,
-    the same bits) when the kernels are there, else ATen's ops (equal within rounding)."""
+    """Each row's next ALTERNATIVES likeliest indices after `best` (each the first of the largest
+    others left) [B, A] and the softmax probabilities of best and of them [B, 1 + A]:
+    csrc/sampling_ops.h `runner_ups` (the C++ chain's, the same bits) when the kernels are there,
+    else ATen's ops (equal within rounding)."""
     if ext is not None and scores.is_cpu and scores.dtype == torch.float32:
-        return ext.runner_up(scores, best)
-    idx = best.unsqueeze(1)
-    second = argmax_rows(scores.clone().scatter_(1, idx, float("-inf")))
+        return ext.runner_ups(scores, best, ALTERNATIVES)
+    rest = scores.clone()
+    picked = [best]
+    for _ in range(ALTERNATIVES):
+        rest.scatter_(1, picked[-1].unsqueeze(1), float("-inf"))
+        picked.append(argmax_rows(rest))
+    idx = torch.stack(picked, 1)
     lse = torch.logsumexp(scores, 1, keepdim=True)
-    picked = torch.cat([scores.gather(1, idx), scores.gather(1, second.unsqueeze(1))], 1)
-    return second, (picked - lse).exp()
+    return idx[:, 1:], (scores.gather(1, idx) - lse).exp()
 
 
 def _fingerprint_ids(vocab_size: int) -> torch.Tensor:
@@ -603,10 +610,11 @@ class EagleHead(nn.Module):
         step, the next `alternatives` likeliest tokens after the drafted one [B, k, alternatives]
         (a draft tree's leaves).
 
-        `confidences` (greedy drafting only): the second value is instead (runner-up tokens
-        [B, k], probabilities [B, k, 2]): at each step the next likeliest token after the drafted
-        one, and the softmax probability (over the draft vocabulary when one is set) of the
-        drafted token and of that runner-up, by which a draft tree ranks its nodes
+        `confidences` (greedy drafting only): the second value is instead (alternative tokens
+        [B, k, A], probabilities [B, k, 1 + A], A = ALTERNATIVES): at each step the next A
+        likeliest tokens after the drafted one, and the softmax probability (over the draft
+        vocabulary when one is set) of the drafted token and of each, by which a draft tree ranks
+        its nodes
         (inferd.spec.draft_tree); the chains then stop once no deeper draft could be among any
         chain's k likeliest nodes (`SettledChains`), so all three may hold fewer than k steps."""
         greedy = not (return_logits or choose)
@@ -659,9 +667,9 @@ class EagleHead(nn.Module):
             elif confidences:
                 ids, scores = self._draft_scores(feature)
                 best = argmax_rows(scores)
-                second, prob = _runner_up(scores, best, self._kernels)
-                tok, second = (best, second) if ids is None else (ids[best], ids[second])
-                seconds.append(second)
+                others, prob = _runner_ups(scores, best, self._kernels)
+                tok, others = (best, others) if ids is None else (ids[best], ids[others])
+                seconds.append(others)
                 probs.append(prob)
                 if step + 1 < k and settled.step(prob):  # no deeper draft could be verified
                     tokens.append(tok)
@@ -682,7 +690,8 @@ class EagleHead(nn.Module):
             return drafted, torch.stack(alts, dim=1) if alts else pos.new_empty(b, 0, alternatives)
         if confidences:
             if not seconds:
-                return drafted, (pos.new_empty(b, 0), x.new_empty(b, 0, 2))
+                empty = pos.new_empty(b, 0, ALTERNATIVES), x.new_empty(b, 0, 1 + ALTERNATIVES)
+                return drafted, empty
             return drafted, (torch.stack(seconds, dim=1), torch.stack(probs, dim=1))
         return drafted, torch.stack(logits, dim=1) if return_logits and logits else None
 

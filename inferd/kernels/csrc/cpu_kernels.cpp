@@ -67,7 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
   // The sampler's row work (sampling_ops.h).
   m.def("argmax_rows", &sampling_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
-  m.def("runner_up", &sampling_ops::runner_up, "each row's runner-up to its argmax, and both probabilities");
+  m.def("runner_ups", &sampling_ops::runner_ups,
+        "each row's next n likeliest after its argmax, and the probabilities of all n + 1");
   m.def("top_k_top_p", &sampling_ops::top_k_top_p, "logits outside each row's top-k / top-p set to -inf",
         py::arg("logits"), py::arg("top_k"), py::arg("top_p"));
   m.def("sample_rows", &sampling_ops::sample_rows, "one token per row of probs by inverse CDF at u",

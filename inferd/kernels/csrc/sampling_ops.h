@@ -123,33 +123,31 @@ inline int64_t first_equal(const float* v, int64_t lo, int64_t hi, float value) 
   return i;
 }
 
-// Each row's runner-up to `best` (its argmax_rows): the first index of the largest other value,
-// and the softmax probabilities of the two [T, 2] (a draft tree ranks its nodes by them). One
-// pass for the runner-up, one for the softmax's sum, no allocation: over ATen's ops (a clone, a
-// scatter, logsumexp) they were ~70 us a draft step, a fifth of a draft chain. A row holding a
-// NaN or +inf gets probabilities 0. (layer_ops' exp clamps below -87: those terms add ~1e-38.)
-inline std::tuple<torch::Tensor, torch::Tensor> runner_up(const torch::Tensor& scores, const torch::Tensor& best) {
+// Each row's next `n_alt` likeliest indices after `best` (its argmax_rows): the first index of
+// the largest value other than those already picked, then the next, [T, n_alt], and the softmax
+// probabilities of best and of each [T, 1 + n_alt] (a draft tree ranks its nodes by them). A
+// pass per pick and one for the softmax's sum, no allocation: over ATen's ops (a clone, a scatter,
+// logsumexp) they were ~70 us a draft step, a fifth of a draft chain. A row holding a NaN or +inf
+// gets probabilities 0; a row too narrow for a pick repeats `best` there, at probability 0.
+// (layer_ops' exp clamps below -87: those terms add ~1e-38.)
+inline std::tuple<torch::Tensor, torch::Tensor> runner_ups(const torch::Tensor& scores, const torch::Tensor& best,
+                                                           int64_t n_alt) {
   TORCH_CHECK(scores.dim() == 2 && scores.size(1) > 0 && best.scalar_type() == torch::kLong &&
-                  best.numel() == scores.size(0),
-              "runner_up: scores [T, N] and their argmax [T] expected");
+                  best.numel() == scores.size(0) && n_alt >= 1 && n_alt <= 8,
+              "runner_ups: scores [T, N], their argmax [T] and 1..8 picks expected");
   const int64_t t = scores.size(0), n = scores.size(1);
-  layer_ops::check_rows(scores, n, "runner_up");
-  auto second = torch::empty({t}, best.options());
-  auto probs = torch::empty({t, 2}, scores.options());
+  layer_ops::check_rows(scores, n, "runner_ups");
+  auto others = torch::empty({t, n_alt}, best.options());
+  auto probs = torch::empty({t, 1 + n_alt}, scores.options());
   const float* sp = scores.data_ptr<float>();
   const int64_t* bp = best.data_ptr<int64_t>();
-  int64_t* op = second.data_ptr<int64_t>();
+  int64_t* op = others.data_ptr<int64_t>();
   float* pp = probs.data_ptr<float>();
   for (int64_t r = 0; r < t; ++r) {
     const float* v = sp + r * scores.stride(0);
     const int64_t b = bp[r];
-    TORCH_CHECK(b >= 0 && b < n, "runner_up: best index out of range");
+    TORCH_CHECK(b >= 0 && b < n, "runner_ups: best index out of range");
     const float m = v[b];
-    // The largest value but at b, then its first index.
-    const float m2 = std::max(row_max(v, b), row_max(v + b + 1, n - b - 1));  // -inf when empty
-    int64_t j = first_equal(v, 0, b, m2);
-    if (j == b) j = first_equal(v, b + 1, n, m2);
-    op[r] = j < n ? j : b;
     // sum of exp(v - m): 1 for the best itself.
     __m256 acc = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
@@ -162,10 +160,38 @@ inline std::tuple<torch::Tensor, torch::Tensor> runner_up(const torch::Tensor& s
     for (int l = 0; l < 8; ++l) z += lanes[l];
     for (; i < n; ++i) z += std::exp(static_cast<double>(v[i]) - m);
     const bool ok = std::isfinite(m) && std::isfinite(z) && z >= 1.0 - 1e-3;
-    pp[2 * r] = ok ? static_cast<float>(1.0 / z) : 0.f;
-    pp[2 * r + 1] = ok && j < n ? static_cast<float>(std::exp(static_cast<double>(m2) - m) / z) : 0.f;
+    pp[r * (1 + n_alt)] = ok ? static_cast<float>(1.0 / z) : 0.f;
+    int64_t picked[9] = {b};  // ascending once sorted; the row's excluded indices
+    int64_t num = 1;
+    for (int64_t a = 0; a < n_alt; ++a) {
+      int64_t sorted[9];
+      std::copy(picked, picked + num, sorted);
+      std::sort(sorted, sorted + num);
+      // The largest value outside the picked indices, then its first index there.
+      float top = -INFINITY;
+      int64_t lo = 0;
+      for (int64_t e = 0; e <= num; ++e) {
+        const int64_t hi = e < num ? sorted[e] : n;
+        if (hi > lo) top = std::max(top, row_max(v + lo, hi - lo));
+        lo = (e < num ? sorted[e] : n) + 1;
+      }
+      int64_t j = n;
+      lo = 0;
+      for (int64_t e = 0; e <= num && j == n; ++e) {
+        const int64_t hi = e < num ? sorted[e] : n;
+        if (hi > lo) {
+          const int64_t f = first_equal(v, lo, hi, top);
+          if (f < hi) j = f;
+        }
+        lo = hi + 1;
+      }
+      const bool found = j < n;
+      op[r * n_alt + a] = found ? j : b;
+      pp[r * (1 + n_alt) + 1 + a] = ok && found ? static_cast<float>(std::exp(static_cast<double>(top) - m) / z) : 0.f;
+      if (found) picked[num++] = j;
+    }
   }
-  return {second, probs};
+  return {others, probs};
 }
 
 // Top-p alone on a row whose candidates are few (a language model's usual, peaked row): every
