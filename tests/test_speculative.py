@@ -371,12 +371,16 @@ def test_ranked_sequences_draft_deep_and_verify_what_their_confidence_pays_for()
     # The rows: a sure head verifies its three nodes, an unsure one its first; never none.
     assert ranked.verified_rows([0.9, 0.6, 0.4], batch_size=1) == 3
     assert ranked.verified_rows([0.3, 0.05, 0.02], batch_size=1) == 1
+    ranked.trim_margin = 0.0  # fewer rows chosen only when they do 5 % better
+    assert ranked.verified_rows([0.6, 0.1, 0.07], batch_size=1) == 1
+    ranked.trim_margin = 0.05
+    assert ranked.verified_rows([0.6, 0.1, 0.07], batch_size=1) == 3
     assert ranked.verified_rows([0.001, 0.0005, 0.0001], batch_size=1) == 1
     assert ranked.verified_rows([], batch_size=1) == 0
     # c: accepted tokens per unit of predicted value, across sequences. A head that claims twice
     # what it gets has its values halved, and then verifies fewer rows.
     assert ranked.calibration == pytest.approx(1.0)
-    values = [0.6, 0.2, 0.1]
+    values = [0.6, 0.1, 0.05]
     assert ranked.verified_rows(values, batch_size=1) == 3
     for _ in range(200):
         ranked.record(greedy[0], 3, 1, expected=2.0)

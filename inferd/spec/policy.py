@@ -26,15 +26,15 @@ batch-size side: no speculation while more sequences than that decode.
 A proposer that ranks its drafts (eagle's dynamic tree, greedy sequences) knows more than a: the
 head's probability that each node it could verify is the target's. Such a sequence drafts k_max
 whenever any depth pays, and once its nodes are ranked verifies the b >= 1 likeliest that maximize
-(1 + c * (v_1 + ... + v_b)) / (1 + F(b)) (v: the nodes' values, c: how many accepted tokens a
-unit of predicted value has brought recently, across sequences; the head's probabilities are well
-calibrated, c ~ 1). Why: the geometric E(k) underprices the deep rows of a ranked chain (the
-runner-ups, and acceptance that rises along a chain the head is sure of): on chat, verifying
-3 rows emits 1.36x the tokens of verifying 1 where E(k) at the same a says 1.25x. With a noisy
-start-up F(3), that sent sequences to k = 1 and kept them there, nothing ever re-measuring depth
-3 (1.35x against 1.39x for always 3 in one run; 1.01x against 1.45x in another). Drafting deep
-costs ~0.15 ms a depth at batch 1; the rows are what is dear, and those follow each step's own
-confidence.
+(1 + c * (v_1 + ... + v_b)) / (1 + F(b)), the deepest within 5 % of the best (F is noisy); v: the
+nodes' values, c: how many accepted tokens a unit of predicted value has brought recently, across
+sequences (the head's probabilities are well calibrated: c ~ 1; 0.77 with thirds and rescoring).
+Why: the geometric E(k) underprices the deep rows of a ranked chain (the runner-ups, and acceptance
+that rises along a chain the head is sure of): on chat, verifying 3 rows emits 1.36x the tokens of
+verifying 1 where E(k) at the same a says 1.25x. With a noisy start-up F(3), that sent sequences to
+k = 1 and kept them there, nothing ever re-measuring depth 3 (1.35x against 1.39x for always 3 in
+one run; 1.01x against 1.45x in another). Drafting deep costs ~0.15 ms a depth at batch 1; the rows
+are what is dear, and those follow each step's own confidence.
 
 A draft tree (`draft_topk` > 1: w = draft_topk - 1 leaves at each of the k depths) adds w * k rows
 at a leaf row's own measured cost lambda (not F's: on a CPU a step's first rows ride along with
@@ -66,6 +66,12 @@ _LEAF_DECAY = 0.98  # the leaves' hit rate: ~50 chances' memory
 _LEAF_PROBE_EVERY = 16  # verifications between tries of the leaves while they do not pay
 _CALIBRATION_DECAY = 0.98  # accepted over predicted for ranked drafts: ~50 verifications' memory
 _PRIOR_CALIBRATION_WEIGHT = 2.0  # predicted tokens' worth of the prior c = 1
+# How much better fewer ranked rows must do than more: F is a start-up measurement, its third
+# row 0.03-0.25 of a step for engines built minutes apart. Trimming on F mispriced at
+# [0.005, 0.25, 0.25] took 1.97 rows a step and MAL 1.737 (all rows: 1.806); with this margin
+# 2.59 and 1.789. Offline, where rows are truly dear (-q auto's ~0.1 of a step each), it keeps
+# +1.5 % of trimming's +4 %.
+_TRIM_MARGIN = 0.05
 
 
 @dataclass(slots=True)
@@ -124,6 +130,7 @@ class SpecPolicy:
         `ranked`: the proposer ranks greedy sequences' drafts (`verified_rows` picks how many)."""
         self.k_max = k_max
         self.ranked = ranked
+        self.trim_margin = _TRIM_MARGIN
         # Accepted tokens and the ranked nodes' predicted value, over recent verifications.
         self._calib_accepted = self._calib_predicted = _PRIOR_CALIBRATION_WEIGHT
         self.leaf_width = leaf_width  # leaves per depth of a draft tree (draft_topk - 1)
@@ -225,17 +232,20 @@ class SpecPolicy:
 
     def verified_rows(self, values: list[float], batch_size: int) -> int:
         """How many of a ranked chain's nodes to verify: values, descending, are each node's
-        probability of being the target's (the proposer's own). At least one: `depths` already
-        found that speculating pays, and c is only measured on verified nodes (at 0 a low c
-        would never be corrected)."""
+        probability of being the target's (the proposer's own). The deepest b whose rate is
+        within `trim_margin` of the best. At least one: `depths` already found that speculating
+        pays, and c is only measured on verified nodes (at 0 a low c would never be corrected)."""
         c = self.calibration
-        best, best_rate, expected = 0, 0.0, 1.0
+        rates, expected = [], 1.0
         for b, v in enumerate(values, start=1):
             expected += c * v
-            rate = expected / (1.0 + self.forward_cost(batch_size, b))
-            if rate > best_rate:
-                best, best_rate = b, rate
-        return best
+            rates.append(expected / (1.0 + self.forward_cost(batch_size, b)))
+        if not rates:
+            return 0
+        best = max(rates)
+        # The deepest b within the margin of the best rate
+        floor = best / (1.0 + self.trim_margin)
+        return max(b for b, rate in enumerate(rates, start=1) if rate >= floor)
 
     def leaf_widths(self, seqs: list[Sequence], ks: list[int], batch_size: int) -> list[int]:
         """Leaves per depth for each sequence's chain of k drafts (0: a chain alone)."""
