@@ -76,8 +76,9 @@ class EagleProposer(Proposer):
         # int4 linears on the CPU (the engine's packed tiles): a draft step streams every weight
         # of the head, k times per target step; drafts are only proposals, verification decides.
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
-        # Greedy chains spend their k rows on the k likeliest nodes of chain and runner-ups
-        # (inferd.spec.draft_tree) unless a fixed draft tree is asked for (draft_topk > 1).
+        # Greedy chains spend their rows on the likeliest nodes of the chain and each depth's
+        # runner-up and third (inferd.spec.draft_tree), as many as the engine's `rows` says,
+        # unless a fixed draft tree is asked for (draft_topk > 1).
         self.dynamic_tree = spec.dynamic_tree and spec.draft_topk == 1
         self.ranks_drafts = self.dynamic_tree
         self.caches: dict[int, DraftCache] = {}
