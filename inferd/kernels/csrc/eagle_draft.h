@@ -163,8 +163,9 @@ constexpr int64_t kAlternatives = 2;
 // Returns the drafted tokens [B, k]; the chains' own keys and values are left in the buffers.
 // With `confidences`, also each step's next likeliest tokens after the drafted one [B, k, A]
 // (runner-up, third: kAlternatives) and the draft vocabulary's softmax probabilities of the
-// drafted token and of those [B, k, 1 + A] (EagleHead.draft's); else those two are empty. With `confidences` the chains also stop once no deeper draft can be
-// among any chain's k likeliest nodes (`chains_settled`): the three come back narrower.
+// drafted token and of those [B, k, 1 + A] (EagleHead.draft's); else those two are empty. With
+// `confidences` the chains also stop once no deeper draft can be among any chain's k likeliest
+// nodes (`chains_settled`): the three come back narrower.
 inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
     const HeadWeights& w, const decoder::Shape& s, torch::Tensor x, torch::Tensor pos,
     const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
@@ -175,9 +176,9 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
                   static_cast<int64_t>(used.size()) == b && pos.numel() == b,
               "draft_chains: one cache and one position per chain");
   auto tokens = torch::empty({b, k}, torch::kInt64);
-  torch::Tensor seconds, probs;
+  torch::Tensor alternatives, probs;
   if (confidences) {
-    seconds = torch::empty({b, k, kAlternatives}, torch::kInt64);
+    alternatives = torch::empty({b, k, kAlternatives}, torch::kInt64);
     probs = torch::empty({b, k, 1 + kAlternatives}, torch::kFloat32);
   }
   const auto longs = torch::TensorOptions().dtype(torch::kInt64);
@@ -213,7 +214,8 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
     tokens.select(1, step).copy_(tok);
     if (confidences) {
       const auto [alts, p] = sampling_ops::runner_ups(scores, best, kAlternatives);
-      seconds.select(1, step).copy_(w.vocab_ids.index_select(0, alts.reshape({-1})).view({b, kAlternatives}));
+      const torch::Tensor alt_tokens = w.vocab_ids.index_select(0, alts.reshape({-1}));
+      alternatives.select(1, step).copy_(alt_tokens.view({b, kAlternatives}));
       probs.select(1, step).copy_(p);
       if (step + 1 < k && chains_settled(p, step + 1, k, path, leaves)) {
         steps = step + 1;
@@ -225,8 +227,9 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_chains(
       pos = pos + 1;
     }
   }
-  if (steps < k) return {tokens.narrow(1, 0, steps), seconds.narrow(1, 0, steps), probs.narrow(1, 0, steps)};
-  return {tokens, seconds, probs};
+  if (steps < k)
+    return {tokens.narrow(1, 0, steps), alternatives.narrow(1, 0, steps), probs.narrow(1, 0, steps)};
+  return {tokens, alternatives, probs};
 }
 
 }  // namespace eagle
