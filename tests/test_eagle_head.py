@@ -30,6 +30,16 @@ def _target(path) -> torch.nn.Module:
                        device=torch.device("cpu"))  # fmt: skip
 
 
+def _needs_tiles() -> None:
+    """The int4 head and the C++ chain run on weights packed in VNNI tiles: without AVX512-VNNI
+    (an AVX2-only CPU) the head keeps int8 row-layout linears and drafts on the Python path."""
+    from inferd.kernels.quant_gemm import extension
+
+    ext = extension()
+    if ext is None or not ext.has_int8_gemm:
+        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama_hf) -> torch.nn.Module:
     return _target(tiny_llama_hf.path)
@@ -331,6 +341,7 @@ def test_quantized_head_on_an_fp32_target_ranks_its_draft_vocab_in_int4(tiny_mod
     vocabulary's rows of the LM head in int4 too (in fp32 they were most of a draft step), and
     rescores each step's close candidates against the fp32 rows: drafts stay in the subset and
     are the token the fp32 rows rank first, where int4 alone swaps near-ties."""
+    _needs_tiles()
     from inferd import LLM
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.spec import draft_vocab
@@ -441,6 +452,7 @@ def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, 
     head's: the same keys, values and inputs in every cache, the same drafts, the chains' own
     keys left behind alike; several sequences at different lengths, over an fp32 embedding and a
     quantized one (the tied GGUF's packed tiles)."""
+    _needs_tiles()
     from inferd import LLM
     from inferd.spec import draft_vocab
 

@@ -159,7 +159,7 @@ def test_runner_ups_are_the_next_likeliest_and_their_probabilities():
 def _kept_sets_agree(fast: torch.Tensor, slow: torch.Tensor, logits: torch.Tensor, top_k, top_p) -> None:
     """Each row keeps the same tokens with their logits (the rest -inf), except where the sorted
     path's fp32 cumulative sum and the kernel's fp64 one round to different sides of top_p: then
-    only the last kept token may differ, and its mass before must be within 1e-5 of top_p."""
+    only the last kept token may differ, and its mass before must be within 3e-5 of top_p."""
     for r in range(logits.shape[0]):
         a, b = torch.isfinite(fast[r]), torch.isfinite(slow[r])
         assert torch.equal(fast[r][a], logits[r][a])
@@ -171,7 +171,9 @@ def _kept_sets_agree(fast: torch.Tensor, slow: torch.Tensor, logits: torch.Tenso
         kept = logits[r].topk(k).values
         probs = kept.double().softmax(0)
         before = probs[kept > logits[r][diff[0]]].sum()
-        assert abs(float(before) - float(top_p[r])) < 1e-5, r
+        # The sorted path's fp32 cumulative sum drifts from the exact one by up to ~1e-5 over
+        # a long row, and how far depends on the CPU's vector width (1.06e-5 on AVX2).
+        assert abs(float(before) - float(top_p[r])) < 3e-5, r
 
 
 @needs_kernels
