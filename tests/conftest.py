@@ -81,6 +81,19 @@ def hf_transformers():
     return pytest.importorskip("transformers")
 
 
+@pytest.fixture(scope="session")
+def packed_tiles_ext():
+    """The CPU kernels, for tests of weights packed in VNNI tiles (the int4 head, the C++ draft
+    chain): packing needs AVX512-VNNI, so on an AVX2-only CPU, where weights keep the row layout
+    and the head drafts on the Python path, such a test skips."""
+    from inferd.kernels.quant_gemm import extension
+
+    ext = extension()
+    if ext is None or not ext.has_int8_gemm:
+        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
+    return ext
+
+
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def kernel_build(request):
     """The CPU kernels as built for this CPU (-march=native) and as the AVX2-only build (the

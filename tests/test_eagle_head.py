@@ -30,16 +30,6 @@ def _target(path) -> torch.nn.Module:
                        device=torch.device("cpu"))  # fmt: skip
 
 
-def _needs_tiles() -> None:
-    """The int4 head and the C++ chain run on weights packed in VNNI tiles: without AVX512-VNNI
-    (an AVX2-only CPU) the head keeps int8 row-layout linears and drafts on the Python path."""
-    from inferd.kernels.quant_gemm import extension
-
-    ext = extension()
-    if ext is None or not ext.has_int8_gemm:
-        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
-
-
 @pytest.fixture(scope="module")
 def target(tiny_llama_hf) -> torch.nn.Module:
     return _target(tiny_llama_hf.path)
@@ -336,12 +326,13 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
         EagleHead.load(path, target)
 
 
-def test_quantized_head_on_an_fp32_target_ranks_its_draft_vocab_in_int4(tiny_models, tmp_path) -> None:
+def test_quantized_head_on_an_fp32_target_ranks_its_draft_vocab_in_int4(
+    tiny_models, tmp_path, packed_tiles_ext
+) -> None:
     """The engine's head (int4 linears in packed tiles) over an fp32 target keeps the draft
     vocabulary's rows of the LM head in int4 too (in fp32 they were most of a draft step), and
     rescores each step's close candidates against the fp32 rows: drafts stay in the subset and
     are the token the fp32 rows rank first, where int4 alone swaps near-ties."""
-    _needs_tiles()
     from inferd import LLM
     from inferd.layers.quantized_linear import QuantizedLinear
     from inferd.spec import draft_vocab
@@ -446,23 +437,43 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
         assert torch.allclose(x, y, atol=1e-6), name
 
 
+@pytest.mark.parametrize("activations", ["default", "fp32"])
 @pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
-def test_the_cpp_chain_drafts_what_the_python_chain_does(tiny_models, tmp_path, model) -> None:
+def test_the_cpp_chain_drafts_what_the_python_chain_does(
+    tiny_models, tmp_path, model, activations
+) -> None:
     """The engine's cache entries and greedy chains in C++ (csrc/eagle_draft.h) are the Python
     head's: the same keys, values and inputs in every cache, the same drafts, the chains' own
     keys left behind alike; several sequences at different lengths, over an fp32 embedding and a
-    quantized one (the tied GGUF's packed tiles)."""
-    _needs_tiles()
+    quantized one (the tied GGUF's). With int8 activations (by default where the CPU has
+    AVX512-VNNI) the head and the tied table are packed tiles; with fp32 ones (by default on an
+    AVX2-only CPU; forced off here) they keep the row layout: int8 rows, fp32-activation kernels."""
+    from inferd.quantization import formats
+
+    if activations == "fp32":
+        with formats.int8_activations(False):
+            _check_cpp_chain(tiny_models[model].path, tmp_path)
+    else:
+        _check_cpp_chain(tiny_models[model].path, tmp_path)
+
+
+def _check_cpp_chain(model_path, tmp_path) -> None:
     from inferd import LLM
+    from inferd.layers.linear import Embedding
+    from inferd.quantization import formats
     from inferd.spec import draft_vocab
 
-    llm = LLM(str(tiny_models[model].path), kv_cache_memory=4 << 20, verbose=False)
+    llm = LLM(str(model_path), kv_cache_memory=4 << 20, verbose=False)
     target = llm.engine.runner.model
     path = _trained_like(target, seed=6, intermediate_size=64).save(tmp_path / "head")
     v = target.config.vocab_size
     ids = torch.randperm(v, generator=torch.Generator().manual_seed(7))[:160]
     draft_vocab.save(path, ids.sort().values)
     head = EagleHead.load(path, target, quantize=True)
+    layout = "tiles" if formats.int8_activations_default(head._kernels) else "rows"
+    assert head.qkv.qweight.layout == head._draft_vocab[1].qweight.layout == layout
+    if not isinstance(target.embed_tokens, Embedding):  # the tied GGUF's quantized table
+        assert target.embed_tokens.qweight.layout == layout
     assert head._fused_weights() is not None
     states = target_hidden_states(target, _sequences(3, 24, v, seed=8))
     lengths = (9, 16, 21)

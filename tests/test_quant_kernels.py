@@ -249,21 +249,13 @@ def test_kernels_build_where_they_can():
     assert extension_avx2() is not None
 
 
-
-def _tiles_ext():
-    ext = extension()
-    if ext is None or not ext.has_int8_gemm:
-        pytest.skip("no packed int8 tiles here (they need AVX512-VNNI)")
-    return ext
-
-
-def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
+def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back(packed_tiles_ext) -> None:
     """A weight packed into tiles computes exactly what its row layout computes (the same exact
     block sums, the same fp32 operations) at every row count, and dequantises to the same values."""
     from inferd.quantization import formats
     from inferd.quantization.formats import pack_tiles
 
-    ext = _tiles_ext()
+    ext = packed_tiles_ext
     g = torch.Generator().manual_seed(11)
     for qw in _int_weights():
         if qw.shape[0] % 16:
@@ -290,14 +282,15 @@ def test_packed_tiles_give_the_row_layout_bits_and_dequantize_back() -> None:
             assert torch.equal(ext.tiles_linear(x, tiles.data, tiles.scales, mins, False), want)
 
 
-def test_engine_packs_its_quantized_weights_in_place(tiny_models, monkeypatch) -> None:
+def test_engine_packs_its_quantized_weights_in_place(
+    tiny_models, monkeypatch, packed_tiles_ext
+) -> None:
     """At start-up the engine packs its int8 / int4 matmuls into tiles instead of keeping a second
     copy, and generates what the row layout generates."""
     from inferd import LLM, SamplingParams
     from inferd.engine import model_runner
     from inferd.layers.quantized_linear import QuantizedLinear
 
-    _tiles_ext()
     path = str(tiny_models["llama-f32.gguf"].path)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     prompts = ["The quick brown fox jumps over", "A paged KV cache stores"]

@@ -57,8 +57,6 @@ def pack_quantized_weights(model: nn.Module) -> int:
     tied embedding keeps sharing the head's weight (it dequantises its rows from the tiles).
     Nothing is packed where int8 activations are forced off (tiles have no fp32-activation
     kernel) or the kernels lack tiles. Returns how many weights were packed."""
-    if formats.INT8_ACTIVATIONS is False:
-        return 0
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     packed: dict[int, QuantizedWeight] = {}
     for m in linears:

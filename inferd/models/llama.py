@@ -38,12 +38,14 @@ _TILES_KIND = 4  # int8 / int4 packed at load (formats.pack_tiles)
 
 
 def kernel_linear_weights(ext, module: nn.Module):
-    """A `Linear` or `QuantizedLinear` as the C++ steps take it (decoder::LinearWeights)."""
-    if isinstance(module, QuantizedLinear):
+    """A `Linear` or `QuantizedLinear` as the C++ steps take it (decoder::LinearWeights); an
+    `Embedding` or `QuantizedEmbedding` likewise, its table the weight (the C++ looks rows up)."""
+    if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
         w = module.qweight
         kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
-        return ext.LinearWeights(kind, w.data, w.scales, w.mins, module.bias, w.group, w.streamed)
-    return ext.LinearWeights(0, module.weight, None, None, module.bias, 0)
+        bias = getattr(module, "bias", None)
+        return ext.LinearWeights(kind, w.data, w.scales, w.mins, bias, w.group, w.streamed)
+    return ext.LinearWeights(0, module.weight, None, None, getattr(module, "bias", None), 0)
 
 
 class LlamaAttention(nn.Module):

@@ -160,11 +160,12 @@ def _dequantize_tiles_torch(w: QuantizedWeight, rows: torch.Tensor | None) -> to
 
 def pack_tiles(w: QuantizedWeight) -> QuantizedWeight | None:
     """`w` in the packed layout of the AVX512-VNNI kernels, or None where it cannot take it
-    (no such kernels, fp8, an output count that is not a multiple of 16, another device)."""
+    (no such kernels, int8 activations forced off — tiles have no fp32-activation kernel —, fp8,
+    an output count that is not a multiple of 16, another device)."""
     ext = _kernels()
     n, k = w.shape
-    if (ext is None or not ext.has_int8_gemm or w.layout != "rows" or w.format not in ("int8", "int4")
-            or n % 16 or k % 32 or not w.data.is_cpu):  # fmt: skip
+    if (ext is None or not ext.has_int8_gemm or INT8_ACTIVATIONS is False or w.layout != "rows"
+            or w.format not in ("int8", "int4") or n % 16 or k % 32 or not w.data.is_cpu):  # fmt: skip
         return None
     data, scales, mins = ext.pack_int8_tiles(w.data, w.scales, w.mins, w.group)
     # `group` stays the quantization's own (the packed scales repeat it per 32-block).

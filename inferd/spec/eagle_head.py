@@ -697,8 +697,9 @@ class EagleHead(nn.Module):
 
     def _fused_weights(self) -> Any:
         """The head as the C++ chain takes it (csrc/eagle_draft.h), built once; None where that
-        chain would not run the Python one's kernels: linears other than the engine's packed
-        tiles, no draft vocabulary, an embedding neither fp32 nor tiles."""
+        chain would not run the Python one's kernels: linears other than quantized ones without
+        bias (packed tiles where int8 activations are on, or the row layout: an AVX2-only CPU's,
+        with fp32 activations), no draft vocabulary, an embedding neither fp32 nor quantized."""
         cached = self.__dict__.get("_fused")
         if cached is not None:
             return cached or None
@@ -708,38 +709,44 @@ class EagleHead(nn.Module):
         from inferd.quantization import formats
 
         ext, fused = self._kernels, False
+        int8 = ext is not None and formats.int8_activations_default(ext)
+
+        def same_kernel(m: nn.Module) -> bool:
+            # decoder::linear dispatches a quantized weight as quantized_matmul does; packed
+            # tiles under fp32 activations are dequantised in Python instead, so not those.
+            return (isinstance(m, QuantizedLinear) and m.bias is None
+                    and (m.qweight.layout == "rows" or int8))  # fmt: skip
+
         linears = [self.fc, self.qkv, self.o_proj, self.gate_up, self.down]
         if self._draft_vocab is not None:
             linears.append(self._draft_vocab[1])
         embed = self.target.embed_tokens if self._target is not None else None
-        tiles = all(isinstance(m, QuantizedLinear) and m.qweight.layout == "tiles"
-                    and m.bias is None for m in linears)  # fmt: skip
-        ready = ext is not None and tiles and formats.int8_activations_default(ext)
-        if ready and len(linears) == 6:
+        table = (isinstance(embed, Embedding) and embed.weight.dtype == torch.float32) or (
+            isinstance(embed, QuantizedEmbedding) and embed.dtype == torch.float32
+            and (embed.qweight.layout == "rows" or int8)  # fmt: skip
+        )
+        if ext is not None and len(linears) == 6 and all(map(same_kernel, linears)) and table:
             norms = [n.weight for n in (self.hidden_norm, self.embed_norm, self.attn_norm,
                                         self.mlp_norm, self.out_norm)]  # fmt: skip
             kinds = [kernel_linear_weights(ext, m) for m in linears]
-            ids = self._draft_vocab[0].long()
             exact = {}
             if self._exact_from is not None:
                 exact = {"exact": self._exact_from.weight.detach(), "exact_within": RESCORE_WITHIN,
                          "exact_max": RESCORE_MAX}  # fmt: skip
-            if isinstance(embed, Embedding) and embed.weight.dtype == torch.float32:
-                fused = ext.EagleHeadWeights(norms, kinds, ids, embed.weight, **exact)
-            elif (isinstance(embed, QuantizedEmbedding) and embed.qweight.layout == "tiles"
-                  and embed.dtype == torch.float32):  # fmt: skip
-                w = embed.qweight
-                mins = w.mins if w.mins is not None else torch.empty(0, dtype=w.scales.dtype)
-                fused = ext.EagleHeadWeights(norms, kinds, ids, w.data, w.scales, mins, **exact)
+            fused = ext.EagleHeadWeights(norms, kinds, self._draft_vocab[0].long(),
+                                         kernel_linear_weights(ext, embed), **exact)  # fmt: skip
         self.__dict__["_fused"] = fused
         return fused or None
 
     def _fused_shape(self) -> Any:
         shape = self.__dict__.get("_kernel_shape")
         if shape is None:
+            from inferd.quantization import formats
+
             shape = self._kernels.DecoderShape(self.num_heads, self.num_kv_heads, self.head_dim,
                                                self.intermediate_size, self.rms_norm_eps,
-                                               self.head_dim**-0.5, True)  # fmt: skip
+                                               self.head_dim**-0.5,
+                                               formats.int8_activations_default(self._kernels))  # fmt: skip
             self.__dict__["_kernel_shape"] = shape
         return shape
 

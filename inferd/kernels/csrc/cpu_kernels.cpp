@@ -106,20 +106,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // A learned draft head's greedy chains (eagle_draft.h).
   py::class_<eagle::HeadWeights>(m, "EagleHeadWeights", py::module_local())
       .def(py::init([](std::vector<torch::Tensor> norms, std::vector<LinearWeights> linears,
-                       torch::Tensor vocab_ids, torch::Tensor embed, c10::optional<torch::Tensor> embed_scales,
-                       c10::optional<torch::Tensor> embed_mins, c10::optional<torch::Tensor> exact,
+                       torch::Tensor vocab_ids, LinearWeights embed, c10::optional<torch::Tensor> exact,
                        double exact_within, int64_t exact_max) {
              TORCH_CHECK(norms.size() == 5 && linears.size() == 6,
                          "EagleHeadWeights: 5 norms (hidden, embed, attn, mlp, out) and 6 linears "
                          "(fc, qkv, o, gate_up, down, vocab)");
              return eagle::HeadWeights{norms[0], norms[1], norms[2], norms[3], norms[4],
                                        linears[0], linears[1], linears[2], linears[3], linears[4], linears[5],
-                                       vocab_ids, embed, embed_scales.value_or(torch::Tensor()),
-                                       embed_mins.value_or(torch::Tensor()), exact.value_or(torch::Tensor()),
-                                       exact_within, exact_max};
+                                       vocab_ids, embed, exact.value_or(torch::Tensor()), exact_within,
+                                       exact_max};
            }),
            py::arg("norms"), py::arg("linears"), py::arg("vocab_ids"), py::arg("embed"),
-           py::arg("embed_scales") = py::none(), py::arg("embed_mins") = py::none(),
            py::arg("exact") = py::none(), py::arg("exact_within") = 0.0, py::arg("exact_max") = 0);
   m.def("eagle_rescore_close", &eagle::rescore_close,
         "scores within `within` of each row's max rescored against an fp32 LM head, in place");

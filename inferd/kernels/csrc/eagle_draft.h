@@ -32,8 +32,9 @@ struct HeadWeights {
   decoder::LinearWeights fc, qkv, o, gate_up, down;
   decoder::LinearWeights vocab;  // the draft vocabulary's rows of the target's LM head
   torch::Tensor vocab_ids;       // int64 [V']: the token of each row
-  // The target's embedding: an fp32 table [V, H], or packed tiles (with scales, and mins or empty).
-  torch::Tensor embed, embed_scales, embed_mins;
+  // The target's embedding, as a linear's weights: an fp32 table [V, H] (kFloat), packed tiles, or
+  // the row layout's int8 / int4 / fp8 blocks (an AVX2-only CPU keeps a quantized table so).
+  decoder::LinearWeights embed;
   // The target's fp32 LM head [V, H] where `vocab` holds its rows quantized (an fp32 target):
   // the close candidates of each draft step are rescored against it (`rescore_close`); undefined:
   // the vocab rows are the target's own.
@@ -97,12 +98,31 @@ inline void rescore_close(const torch::Tensor& scores, const torch::Tensor& feat
   }
 }
 
+// The embedding's rows of `tokens` [T] as fp32 [T, H], by inferd/quantization/formats.py
+// `dequantize_rows`'s own operations (ATen's, in its order: the row layout's int4 is q * scale,
+// then + min, each rounded), so both paths give the same bits.
+inline torch::Tensor embedding_rows(const decoder::LinearWeights& e, const torch::Tensor& tokens) {
+  using K = decoder::LinearWeights;
+  if (e.kind == K::kFloat) return e.weight.index_select(0, tokens);
+  if (e.kind == K::kTiles)
+    return quant_gemm::tiles_rows(e.weight, e.scales, e.mins.defined() ? e.mins : torch::empty({0}), tokens);
+  const auto expand = [&](const torch::Tensor& groups) {
+    return groups.index_select(0, tokens).to(torch::kFloat32).repeat_interleave(e.group, 1);
+  };
+  const torch::Tensor data = e.weight.index_select(0, tokens);
+  if (e.kind == K::kInt8) return data.to(torch::kFloat32) * expand(e.scales);
+  if (e.kind == K::kFp8) return data.view(torch::kFloat8_e4m3fn).to(torch::kFloat32) * expand(e.scales);
+  TORCH_CHECK(e.kind == K::kInt4 && e.mins.defined(), "embedding_rows: an fp32, tiles, int8, int4 or fp8 table");
+  const torch::Tensor blocks = data.reshape({data.size(0), -1, 16});  // formats.unpack_int4
+  const torch::Tensor q = torch::cat({blocks.bitwise_and(0x0F), blocks.bitwise_right_shift(4)}, 2);
+  return q.reshape({data.size(0), -1}).to(torch::kFloat32) * expand(e.scales) + expand(e.mins);
+}
+
 // EagleHead.inputs: the layer's input from a feature (the target's hidden state, or the head's
 // prediction of it) and the embedding of the token after it.
 inline torch::Tensor inputs(const HeadWeights& w, const decoder::Shape& s, const torch::Tensor& feature,
                             const torch::Tensor& tokens) {
-  const torch::Tensor e = w.embed_scales.defined() ? quant_gemm::tiles_rows(w.embed, w.embed_scales, w.embed_mins, tokens)
-                                                   : w.embed.index_select(0, tokens);
+  const torch::Tensor e = embedding_rows(w.embed, tokens);
   return decoder::linear(w.fc, torch::cat({layer_ops::rms_norm(feature, w.hidden_norm, s.eps),
                                            layer_ops::rms_norm(e, w.embed_norm, s.eps)}, -1), s);
 }
