@@ -333,6 +333,30 @@ def test_policy_prices_each_depth_as_measured():
     assert best_depth(0.5, 3, 0.1) == 2  # the same first draft's price charged per draft
 
 
+def test_policy_recovers_from_one_slow_speculation_step():
+    """One slow step's own time at depth 3 (three steps' worth: a first call's set-up, a page-fault
+    storm) prices every depth out. The sequence still probes one draft now and then, since only
+    the part measured online says so, and once that slow point is stale beside the probes' own
+    the line leaves it out: the sequence drafts at k_max again (before, it stayed at k = 0)."""
+    policy = SpecPolicy(3, None, {1: [0.02, 0.04, 0.06]}, ranked=True)
+    seq = Sequence("r", 0, [1, 2], 2, SamplingParams(temperature=0.0, max_tokens=100_000))
+    policy.depths([seq], batch_size=1)
+    policy.record_speculation_time(3.0, 3, 1.0)
+    ks = []
+    for _ in range(400):
+        k = policy.depths([seq], batch_size=1)[0]
+        ks.append(k)
+        if k:  # half of the drafts accepted, speculation's own time 0.03 of a step per depth
+            policy.record(seq, k, (k + 1) // 2)
+            policy.record_speculation_time(0.03 * k, k, 1.0)
+    first = ks.index(3)
+    assert set(ks[:first]) == {0, 1} and 0 < ks[:first].count(1) <= 5  # rare probes at depth 1
+    assert first <= 300 and set(ks[first:]) == {3}
+    # Where the start-up F itself says a draft costs a step or more, nothing probes.
+    dear = SpecPolicy(3, None, {1: [1.2, 2.4, 3.6]}, ranked=True)
+    assert not any(dear.depths([seq], batch_size=1)[0] for _ in range(300))
+
+
 def test_policy_shrinks_a_sequence_s_few_verifications_towards_the_others():
     policy = SpecPolicy(3, disable_by_batch_size=None, verify_cost={1: 0.1})
     others = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=1000))

@@ -13,7 +13,10 @@ each draft is accepted with probability a, and costs 1 + F(k) + P(k) plain decod
   0.2 + 0.27 ms per depth on a ~10 ms fp32 step; the bookkeeping is ~0.2 ms more). Charging the
   fixed part per draft, as a cost per token would, makes depth 1 look cheap and depth 3 dear,
   the reverse of the truth; leaving the bookkeeping out made speculating look free on the GGUF,
-  where it cost 6 %.
+  where it cost 6 %. Only drafting at a depth re-measures it, so a depth's point leaves the fit
+  once it is stale beside a shallower one's, and a sequence that P alone keeps at k = 0 still
+  probes now and then: one slow step (three steps' worth at depth 3) otherwise kept a bench
+  engine off for good (1.00x where its twin ran 1.36x).
 a is the sequence's running acceptance rate, shrunk towards what recent drafts of every sequence
 were worth: a few verifications are a noisy estimate, and a sequence that just failed twice
 usually does not stay worse than the rest (on chat with the learned head, choosing k from its own
@@ -57,6 +60,15 @@ _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.4, 2.0  # a = 0.7 until a sequence has evidenc
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
 _POOL_WEIGHT = 4.0  # drafts' worth of the shared estimate added to a sequence's own
 _SPEC_TIME_DECAY = 0.8  # speculation's own time at each depth: ~5 steps' memory
+# Steps after which a depth's measured own time leaves the fit, when a shallower depth was
+# measured since. Only drafting at a depth re-measures it: one slow step there (the head's first
+# call, a page-fault storm) priced drafting out, the sequences sat at k = 0, and their probes at
+# depth 1 could not move the stale deeper point the fitted line passed through. (Shallower
+# points stay: chains at k_max are what runs, and the line through them keeps the fixed part.)
+_SPEC_TIME_EXPIRES = 256
+# Steps between probes where drafting looks too dear to ever pay (a cost per draft >= 1) but
+# only by the part measured online, which a probe re-measures; the start-up F is not.
+_STALE_PROBE_EVERY = 64
 _TRUST_PRIOR_BELOW = 0.3  # cost per draft under which a new sequence tries at the prior
 _SHARED_DECAY = 0.98  # the same for the estimate across sequences (~50 verifications' memory)
 _PROBE_EVERY = 8  # steps a sequence at k = 0 waits before trying one draft again
@@ -149,6 +161,9 @@ class SpecPolicy:
         self._spec_time_sum = [0.0] * (k_max + 1)
         self._spec_time_weight = [0.0] * (k_max + 1)
         self._spec_time_line: tuple[float, float] | None = None  # (fixed, per depth), once fitted
+        self._spec_time_step = [0] * (k_max + 1)  # the step each depth was last measured at
+        self._step = 0  # calls of `depths`
+        self._fitted_depths: tuple[int, ...] = ()  # the depths the fitted line went through
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
 
     def forward_cost(self, batch_size: int, k: int) -> float:
@@ -173,9 +188,18 @@ class SpecPolicy:
         fixed, per_depth = self._spec_time_line
         return fixed + per_depth * k
 
+    def _measured_depths(self) -> tuple[int, ...]:
+        """The depths whose own time enters the fit: every measured one but those measured more
+        than _SPEC_TIME_EXPIRES steps ago that are deeper than one measured since."""
+        measured = [d for d, w in enumerate(self._spec_time_weight) if w > 1e-9]
+        fresh = [d for d in measured if self._step - self._spec_time_step[d] <= _SPEC_TIME_EXPIRES]
+        shallowest = min(fresh, default=self.k_max + 1)
+        return tuple(d for d in measured if d in fresh or d < shallowest)
+
     def _fit_spec_time(self) -> tuple[float, float]:
-        pts = [(d, self._spec_time_sum[d] / w, w)
-               for d, w in enumerate(self._spec_time_weight) if w > 1e-9]  # fmt: skip
+        self._fitted_depths = depths = self._measured_depths()
+        pts = [(d, self._spec_time_sum[d] / self._spec_time_weight[d], self._spec_time_weight[d])
+               for d in depths]  # fmt: skip
         if not pts:
             return 0.0, 0.0
         if len(pts) == 1:
@@ -205,8 +229,13 @@ class SpecPolicy:
         """k per sequence for this step (0: no drafts); `batch_size`: sequences decoding."""
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
             return [0] * len(seqs)
+        self._step += 1
+        if self._spec_time_line is not None and self._measured_depths() != self._fitted_depths:
+            self._spec_time_line = None  # a depth's measurement expired: refitted without it
         costs = [self.cost(batch_size, k) for k in range(self.k_max + 1)]
         probe_every = probe_interval(costs[1] - 1.0, batch_size)
+        if not probe_every and self.forward_cost(batch_size, 1) < 1.0:
+            probe_every = max(_STALE_PROBE_EVERY, probe_interval(0.0, batch_size))
         ks = []
         for seq in seqs:
             state = seq.spec_state
@@ -308,6 +337,7 @@ class SpecPolicy:
             sums, weights = self._spec_time_sum, self._spec_time_weight
             sums[depth] = _SPEC_TIME_DECAY * sums[depth] + seconds / step_seconds
             weights[depth] = _SPEC_TIME_DECAY * weights[depth] + 1.0
+            self._spec_time_step[depth] = self._step
             self._spec_time_line = None  # refitted when next asked
 
 
