@@ -42,6 +42,15 @@ def cpu_flags() -> str:
     return " ".join(sorted(m.group(1).split())) if m else ""
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+    try:
+        m = re.search(r"^vendor_id\s*:\s*(\S+)", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        return ""
+    return m.group(1) if m else ""
+
+
 def _source_text(path: Path) -> bytes:
     """The source and every local header it includes, recursively (the csrc convention)."""
     seen: set[Path] = set()

@@ -35,6 +35,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("stream") = true);
+  // The prefetch hint of streamed weights (stream_prefetch.h): 0 NTA, 1 T0, 2 none.
+  m.def("set_stream_prefetch", [](int64_t h) {
+    TORCH_CHECK(h >= 0 && h <= 2, "stream prefetch hint: 0 (nta), 1 (t0) or 2 (off), not ", h);
+    stream_prefetch::hint() = static_cast<int>(h);
+  }, py::arg("hint"));
+  m.def("stream_prefetch", [] { return static_cast<int64_t>(stream_prefetch::hint()); });
   m.def("tiles_rows", &quant_gemm::tiles_rows, "rows of packed tiles, dequantised to fp32 [R, K]",
         py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("rows"));
 

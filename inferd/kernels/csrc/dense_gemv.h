@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "dense_gemm.h"
+#include "stream_prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -121,8 +122,8 @@ inline void row_dots(const float* x, int64_t ldx, const float* wr, int64_t K, fl
   for (int m = 0; m < MB; ++m) a0[m] = a1[m] = v16_zero();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchFloats), _MM_HINT_NTA);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchFloats + 16), _MM_HINT_NTA);
+    stream_prefetch::line(wr + k + kPrefetchFloats);
+    stream_prefetch::line(wr + k + kPrefetchFloats + 16);
     const V16 w0 = v16_load(wr + k), w1 = v16_load(wr + k + 16);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {

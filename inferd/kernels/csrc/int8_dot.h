@@ -16,6 +16,8 @@
 
 #include <immintrin.h>
 
+#include "stream_prefetch.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -438,7 +440,7 @@ inline void tile_rows(const PackedTiles& p, int64_t t, const QuantizedRows& x, i
     // The tiles of a thread's range lie end to end: the prefetch runs on into the next tile.
     if (p.stream)
       for (int l = 0; l < kRegs; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(W + b * kRegs + l) + kTilePrefetchBytes, _MM_HINT_NTA);
+        stream_prefetch::line(reinterpret_cast<const char*>(W + b * kRegs + l) + kTilePrefetchBytes);
     __m512i dot[MR];
     for (int i = 0; i < MR; ++i)
       dot[i] = Signed ? _mm512_set1_epi32(-128 * x.qs[(m0 + i) * nb + b]) : _mm512_setzero_si512();

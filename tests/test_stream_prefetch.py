@@ -1,0 +1,74 @@
+"""The prefetch hint of streamed weights (csrc/stream_prefetch.h) is a run-time choice per CPU
+vendor, overridable by `INFERD_STREAM_PREFETCH`: every hint gives the same bits (it is only a
+hint), a bad value is refused, and a fresh process takes the environment's choice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from inferd.kernels import build, quant_gemm
+
+
+@pytest.fixture
+def restore_hint(kernel_build):
+    before = kernel_build.stream_prefetch()
+    yield kernel_build
+    kernel_build.set_stream_prefetch(before)
+
+
+def test_every_hint_gives_the_same_bits(restore_hint) -> None:
+    ext = restore_hint
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(960, 2304, generator=g), torch.randn(960, generator=g)  # rows past the 4 KB lookahead
+    x = torch.randn(4, 2304, generator=g)
+    outs = []
+    for hint in quant_gemm.STREAM_PREFETCH_HINTS.values():
+        ext.set_stream_prefetch(hint)
+        assert ext.stream_prefetch() == hint
+        outs.append((ext.dense_linear(x[:1], w, b), ext.dense_linear(x, w, b)))
+    for one, four in outs[1:]:
+        assert torch.equal(one, outs[0][0]) and torch.equal(four, outs[0][1])
+
+
+def test_every_hint_gives_the_same_bits_on_packed_tiles(packed_tiles_ext) -> None:
+    from inferd.quantization.formats import pack_tiles, quantize_int4
+
+    ext = packed_tiles_ext
+    before = ext.stream_prefetch()
+    g = torch.Generator().manual_seed(4)
+    tiles = pack_tiles(quantize_int4(torch.randn(512, 1536, generator=g)))
+    x = torch.randn(3, 1536, generator=g)
+    try:
+        outs = []
+        for hint in quant_gemm.STREAM_PREFETCH_HINTS.values():
+            ext.set_stream_prefetch(hint)
+            outs.append(ext.tiles_linear(x, tiles.data, tiles.scales, tiles.mins, True))
+    finally:
+        ext.set_stream_prefetch(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_bad_hints_are_refused(kernel_build, monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match="stream prefetch hint"):
+        kernel_build.set_stream_prefetch(3)
+    monkeypatch.setenv("INFERD_STREAM_PREFETCH", "always")
+    with pytest.raises(ValueError, match="INFERD_STREAM_PREFETCH='always'"):
+        quant_gemm.stream_prefetch_hint()
+
+
+def test_default_follows_the_vendor_and_the_environment_wins(monkeypatch) -> None:
+    monkeypatch.delenv("INFERD_STREAM_PREFETCH", raising=False)
+    amd = build.cpu_vendor() == "AuthenticAMD"
+    assert quant_gemm.stream_prefetch_hint() == ("nta" if amd else "t0")
+    if quant_gemm.extension() is None:
+        pytest.skip("CPU kernels unavailable here")
+    code = "from inferd.kernels.quant_gemm import extension; print(extension().stream_prefetch())"
+    for name, value in quant_gemm.STREAM_PREFETCH_HINTS.items():
+        env = dict(os.environ, INFERD_STREAM_PREFETCH=name.upper())
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == str(value), out.stderr
