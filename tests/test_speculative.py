@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import random
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from inferd.config import SpeculativeConfig
 from inferd.engine import core
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
-from inferd.spec.ngram import lookup
+from inferd.spec.ngram import NgramIndex, lookup
 from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens, probe_interval
 
 KV = 1 << 20
@@ -267,6 +268,22 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert lookup([1, 2, 3], 3, 1, 4) == []
     assert lookup([1, 2, 3, 1], 3, 2, 4) == []  # only a 1-token match, below the minimum
     assert lookup([1, 1], 5, 1, 4) == [1]  # continuation stops at the end
+
+
+@pytest.mark.parametrize(("n_min", "n_max"), [(1, 1), (2, 4), (1, 5)])
+def test_ngram_index_drafts_what_lookup_drafts(n_min, n_max):
+    """The proposer's incremental index against the scanning reference, at every length of
+    growing sequences over small vocabularies (many matches, many misses), whether it is asked at
+    every step or only now and then (tokens appended in between)."""
+    rng = random.Random(n_min * 10 + n_max)
+    for vocab, every in ((3, 1), (6, 1), (40, 1), (6, 5)):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 3))]
+        index = NgramIndex(n_min, n_max)
+        for _ in range(160):
+            tokens.append(rng.randrange(vocab))
+            if rng.randrange(every) == 0:
+                k = rng.randrange(1, 6)
+                assert index.lookup(tokens, k) == lookup(tokens, k, n_min, n_max), (vocab, tokens, k)
 
 
 def test_policy_depth_follows_acceptance_and_cost():
