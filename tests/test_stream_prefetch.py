@@ -14,42 +14,37 @@ import torch
 from inferd.kernels import build, quant_gemm
 
 
-@pytest.fixture
-def restore_hint(kernel_build):
-    before = kernel_build.stream_prefetch()
-    yield kernel_build
-    kernel_build.set_stream_prefetch(before)
+def _per_hint(ext, run) -> list:
+    """`run()` under each hint in turn; the process's hint restored after."""
+    before = ext.stream_prefetch()
+    try:
+        outs = []
+        for hint in quant_gemm.STREAM_PREFETCH_HINTS.values():
+            ext.set_stream_prefetch(hint)
+            assert ext.stream_prefetch() == hint
+            outs.append(run())
+        return outs
+    finally:
+        ext.set_stream_prefetch(before)
 
 
-def test_every_hint_gives_the_same_bits(restore_hint) -> None:
-    ext = restore_hint
+def test_every_hint_gives_the_same_bits(kernel_build) -> None:
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(960, 2304, generator=g), torch.randn(960, generator=g)  # rows past the 4 KB lookahead
     x = torch.randn(4, 2304, generator=g)
-    outs = []
-    for hint in quant_gemm.STREAM_PREFETCH_HINTS.values():
-        ext.set_stream_prefetch(hint)
-        assert ext.stream_prefetch() == hint
-        outs.append((ext.dense_linear(x[:1], w, b), ext.dense_linear(x, w, b)))
-    for one, four in outs[1:]:
-        assert torch.equal(one, outs[0][0]) and torch.equal(four, outs[0][1])
+    outs = _per_hint(kernel_build, lambda: torch.cat([kernel_build.dense_linear(x[:1], w, b),
+                                                      kernel_build.dense_linear(x, w, b)]))  # fmt: skip
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 def test_every_hint_gives_the_same_bits_on_packed_tiles(packed_tiles_ext) -> None:
     from inferd.quantization.formats import pack_tiles, quantize_int4
 
-    ext = packed_tiles_ext
-    before = ext.stream_prefetch()
     g = torch.Generator().manual_seed(4)
     tiles = pack_tiles(quantize_int4(torch.randn(512, 1536, generator=g)))
     x = torch.randn(3, 1536, generator=g)
-    try:
-        outs = []
-        for hint in quant_gemm.STREAM_PREFETCH_HINTS.values():
-            ext.set_stream_prefetch(hint)
-            outs.append(ext.tiles_linear(x, tiles.data, tiles.scales, tiles.mins, True))
-    finally:
-        ext.set_stream_prefetch(before)
+    outs = _per_hint(packed_tiles_ext,
+                     lambda: packed_tiles_ext.tiles_linear(x, tiles.data, tiles.scales, tiles.mins, True))  # fmt: skip
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 

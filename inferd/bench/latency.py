@@ -173,7 +173,8 @@ def run_latency(args: argparse.Namespace) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
         "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
-        "stream_prefetch": stream_prefetch_hint(), "roofline": roof.as_dict(), "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
+        "stream_prefetch": stream_prefetch_hint(), "roofline": roof.as_dict(),
+        "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
         "notes": notes, "engines": {k: summarize(v, cost, roof, b, n_in) for k, v in runs.items()},
     }  # fmt: skip

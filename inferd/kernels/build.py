@@ -34,21 +34,22 @@ def cpu_supports_avx2_fma() -> bool:
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
 
 
-def cpu_flags() -> str:
+def _cpuinfo_field(name: str) -> str:
+    """The first `name : value` line's value in /proc/cpuinfo; "" where there is none."""
     try:
-        m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        m = re.search(rf"^{name}\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
     except OSError:
         return ""
-    return " ".join(sorted(m.group(1).split())) if m else ""
+    return m.group(1).strip() if m else ""
+
+
+def cpu_flags() -> str:
+    return " ".join(sorted(_cpuinfo_field("flags").split()))
 
 
 def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
-    try:
-        m = re.search(r"^vendor_id\s*:\s*(\S+)", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    except OSError:
-        return ""
-    return m.group(1) if m else ""
+    """vendor_id: GenuineIntel, AuthenticAMD, ...; "" where there is none."""
+    return _cpuinfo_field("vendor_id")
 
 
 def _source_text(path: Path) -> bytes:

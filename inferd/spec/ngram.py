@@ -37,13 +37,17 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self.size = 0  # tokens indexed
+        # One entry per position and length (~100 bytes each): built only for sequences the
+        # policy lets speculate, freed with the sequence.
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.size = 0  # tokens indexed
 
     def extend(self, token_ids: list[int]) -> None:
         """Index the tokens appended since the last call (a sequence's tokens only ever grow)."""
         if len(token_ids) < self.size:  # never expected: start over rather than draft stale text
-            self.__init__(self.n_min, self.n_max)
+            for latest in self.latest.values():
+                latest.clear()
+            self.size = 0
         for size in range(self.size + 1, len(token_ids) + 1):
             # At `size` tokens, n-grams starting at <= size - 1 - n are followed by a token.
             for n, latest in self.latest.items():

@@ -5,9 +5,10 @@
 // - kNta (AMD's default): non-temporal. On AMD's victim L3 the lines bypass it, so a 538 MB
 //   fp32 stream no longer evicts what the step reuses (the KV cache, a draft head); see
 //   dense::kPrefetchFloats for the figures.
-// - kT0 / kOff: on an Intel Xeon (Emerald Rapids, 260 MB shared L3, 2 vCPUs; 2 Dec) the NTA
-//   prefetch held the fp32 decode to ~11 GB/s against ~31 GB/s the same kernel reads one long
-//   matrix at, and the int4 tiles' 92 MB to 1/1.3 of their speed with no prefetch at all.
+// - kT0 (everyone else's default) / kOff: on an Intel Xeon (Emerald Rapids, 260 MB shared L3,
+//   2 vCPUs; 2 Dec, batch 1, alternated in one process) NTA held the fp32 decode to 16.7 tok/s
+//   against 31.7 with T0 (30.6 with no prefetch), and the GGUF's int4 tiles to 104 against 161
+//   (122).
 //
 // One process-wide setting (`set_stream_prefetch`), read on every prefetch: a branch the
 // predictor always gets right, next to a memory stream.
