@@ -258,6 +258,19 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def computes_bf16_natively(device: torch.device) -> bool:
+    """Whether bf16 matmuls run at hardware speed on `device`: a CUDA device with bf16, or a CPU
+    with AVX512-BF16 or AMX-BF16 (on an AVX2-only CPU ATen emulates them at ~1 GFLOP/s)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    from inferd.kernels.build import cpu_flags
+
+    flags = set(cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` is bf16 (fp16 where bf16 is missing) on CUDA and fp32 on every CPU.
 

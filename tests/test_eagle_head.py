@@ -201,18 +201,49 @@ def test_batched_hidden_states_equal_one_sequence_at_a_time(target) -> None:
         torch.testing.assert_close(h, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_a_few_training_steps_lower_the_loss(target) -> None:
+def _train_a_few_steps(target, precision: str) -> list[float]:
     torch.manual_seed(0)
     seqs = _sequences(8, 40, target.config.vocab_size)
     states = target_hidden_states(target, seqs)
     lm_weight = target.lm_head.weight.detach()
-    opts = TrainOptions(epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05)
+    opts = TrainOptions(epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05,
+                        precision=precision)  # fmt: skip
     data = prepare(states, [5] * 8, lm_weight)
     assert data.num_positions == 320 and data.greedy[0].shape == (40,)
+    torch.manual_seed(1)
     head = EagleHead.for_target(target, intermediate_size=128)
     losses = train_head(head, data, target.embed_tokens, lm_weight, opts)
     assert len(losses) == 10 * 2  # 8 sequences, 4 a step
+    for p in head.parameters():  # autocast leaves the weights (and their optimizer) in fp32
+        assert p.dtype == torch.float32
+    return losses
+
+
+def test_a_few_training_steps_lower_the_loss(target) -> None:
+    losses = _train_a_few_steps(target, "float32")
     assert sum(losses[-4:]) / 4 < 0.7 * losses[0], losses
+
+
+def test_bf16_training_tracks_fp32(target) -> None:
+    """`precision="bfloat16"` runs the forward's matmuls in bf16: the same head and batches give
+    losses that differ by bf16 rounding only (so they did run in bf16), and it learns as well."""
+    exact, bf16 = _train_a_few_steps(target, "float32"), _train_a_few_steps(target, "bfloat16")
+    assert bf16[0] != exact[0]
+    assert bf16[0] == pytest.approx(exact[0], rel=0.02)
+    assert sum(bf16[-4:]) / 4 < 0.7 * bf16[0], bf16
+    assert sum(bf16[-4:]) == pytest.approx(sum(exact[-4:]), rel=0.1)
+
+
+def test_training_precision_option() -> None:
+    from inferd.config import computes_bf16_natively
+    from inferd.spec.eagle_train_core import autocast_dtype
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype("float32", cpu) is None
+    assert autocast_dtype("bfloat16", cpu) == torch.bfloat16
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if computes_bf16_natively(cpu) else None)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        autocast_dtype("fp8", cpu)
 
 
 def test_leading_matches_counts_until_the_first_mismatch() -> None:

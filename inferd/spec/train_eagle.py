@@ -45,7 +45,13 @@ from inferd.spec.eagle_data import (
     target_hidden_states,
 )
 from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
-from inferd.spec.eagle_train_core import TrainOptions, measure_acceptance, prepare, train_head
+from inferd.spec.eagle_train_core import (
+    TrainOptions,
+    autocast_dtype,
+    measure_acceptance,
+    prepare,
+    train_head,
+)
 
 
 @dataclass(slots=True)
@@ -245,6 +251,9 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         "train_questions": data.num_questions,  # self-instruct ones among them
         "eval_prompts": len(data.eval.tokens),
         "options": asdict(recipe.train),
+        # what `precision` resolved to on this machine
+        "training_matmuls": str(autocast_dtype(recipe.train.precision, head.out_norm.weight.device)
+                                or torch.float32).removeprefix("torch."),
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "acceptance": acceptance,
@@ -283,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", type=float, default=t.noise)
     p.add_argument("--ce-rows", type=float, default=t.ce_rows, help="share of rows the cross-entropy reads")
     p.add_argument("--full-vocab-ce", action="store_true")
+    p.add_argument("--precision", default=t.precision, choices=["auto", "float32", "bfloat16"],
+                   help="the training matmuls' precision: auto = bf16 (autocast, fp32 weights) where "
+                        "the CPU or GPU computes bf16 natively, else fp32")  # fmt: skip
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument("--no-data-cache", action="store_true",
                    help="generate the data afresh and do not keep it")
@@ -292,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     opts = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, unroll=a.unroll, lr=a.lr,
                         ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce, ce_rows=a.ce_rows,
-                        seed=a.seed)  # fmt: skip
+                        precision=a.precision, seed=a.seed)  # fmt: skip
     recipe = EagleRecipe(model=a.model, out=a.out, quantization=a.quantization,
                          num_prompts=a.num_prompts, num_questions=a.num_questions,
                          eval_prompts=a.eval_prompts,
