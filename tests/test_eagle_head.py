@@ -234,6 +234,35 @@ def test_bf16_training_tracks_fp32(target) -> None:
     assert sum(bf16[-4:]) == pytest.approx(sum(exact[-4:]), rel=0.1)
 
 
+def test_greedy_labels_from_bf16_candidates_equal_the_fp32_argmax() -> None:
+    """The training labels found among bf16 scores' best candidates, rescored in fp32, are the
+    exact argmax, also where the best two rows' logits are closer than bf16 can tell apart (rows
+    closer than fp32's own rounding are left out: any two fp32 sums may order them differently)."""
+    from inferd.spec.eagle_train_core import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(600, 64, generator=g)
+    h = torch.randn(300, 64, generator=g) * 3
+    # Near-ties: rows of h whose best row no earlier one had get a twin of it (kept apart, at
+    # 500 + i) whose logit is 1e-3 above or below the best one's.
+    twinned, used = [], set()
+    for i in range(100):
+        best = int((h[i] @ w[:500].T).argmax())
+        if best not in used:
+            used.add(best)
+            twinned.append(i)
+            w[500 + i] = w[best] + (1e-3 if i % 2 else -1e-3) * h[i] / h[i].norm() ** 2
+    logits = h.double() @ w.double().T
+    top2 = logits.topk(2, dim=-1)
+    exact, clear = top2.indices[:, 0], top2.values[:, 0] - top2.values[:, 1] > 2e-4
+    assert len(twinned) >= 60 and clear[twinned].all() and clear.sum() >= 200
+    for lm_bf16 in (None, w.bfloat16()):
+        assert torch.equal(greedy_tokens(h, w, chunk=128, lm_bf16=lm_bf16)[clear], exact[clear])
+    # bf16 scores alone pick otherwise on some of the near-ties: the rescoring did the work
+    bf16 = (h.bfloat16() @ w.bfloat16().T).argmax(-1)
+    assert not torch.equal(bf16[twinned], exact[twinned])
+
+
 def test_training_precision_option() -> None:
     from inferd.config import computes_bf16_natively
     from inferd.spec.eagle_train_core import autocast_dtype

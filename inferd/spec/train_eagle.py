@@ -204,7 +204,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     fp32 = build_model(loaded.config, loaded.weights, max_positions=longest + 1,
                        dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     lm_weight = fp32.lm_head.weight.detach()  # fp32 [V, H]
-    seqs = prepare(data.train, data.train_prompt_lens, lm_weight)
+    seqs = prepare(data.train, data.train_prompt_lens, lm_weight, recipe.train.precision)
     if recipe.init:
         # Continue from a saved head (another loss, more epochs): its sizes and weights, the
         # directory and the target checked as the engine checks them.
