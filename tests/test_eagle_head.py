@@ -208,7 +208,7 @@ def _train_a_few_steps(target, precision: str) -> list[float]:
     lm_weight = target.lm_head.weight.detach()
     opts = TrainOptions(epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05,
                         precision=precision)  # fmt: skip
-    data = prepare(states, [5] * 8, lm_weight)
+    data = prepare(states, [5] * 8, lm_weight, precision)
     assert data.num_positions == 320 and data.greedy[0].shape == (40,)
     torch.manual_seed(1)
     head = EagleHead.for_target(target, intermediate_size=128)

@@ -46,9 +46,11 @@ from inferd.spec.eagle_data import (
 )
 from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
 from inferd.spec.eagle_train_core import (
+    PRECISIONS,
     TrainOptions,
     autocast_dtype,
     measure_acceptance,
+    precision_name,
     prepare,
     train_head,
 )
@@ -252,8 +254,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         "eval_prompts": len(data.eval.tokens),
         "options": asdict(recipe.train),
         # what `precision` resolved to on this machine
-        "training_matmuls": str(autocast_dtype(recipe.train.precision, head.out_norm.weight.device)
-                                or torch.float32).removeprefix("torch."),
+        "training_matmuls": precision_name(autocast_dtype(recipe.train.precision, head.out_norm.weight.device)),
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "acceptance": acceptance,
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", type=float, default=t.noise)
     p.add_argument("--ce-rows", type=float, default=t.ce_rows, help="share of rows the cross-entropy reads")
     p.add_argument("--full-vocab-ce", action="store_true")
-    p.add_argument("--precision", default=t.precision, choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--precision", default=t.precision, choices=PRECISIONS,
                    help="the training matmuls' precision: auto = bf16 (autocast, fp32 weights) where "
                         "the CPU or GPU computes bf16 natively, else fp32")  # fmt: skip
     p.add_argument("--seed", type=int, default=t.seed)
