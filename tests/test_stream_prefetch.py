@@ -50,7 +50,7 @@ def test_every_hint_gives_the_same_bits_on_packed_tiles(packed_tiles_ext) -> Non
 
 def test_bad_hints_are_refused(kernel_build, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="stream prefetch hint"):
-        kernel_build.set_stream_prefetch(3)
+        kernel_build.set_stream_prefetch(len(quant_gemm.STREAM_PREFETCH_HINTS))
     monkeypatch.setenv("INFERD_STREAM_PREFETCH", "always")
     with pytest.raises(ValueError, match="INFERD_STREAM_PREFETCH='always'"):
         quant_gemm.stream_prefetch_hint()
@@ -59,7 +59,7 @@ def test_bad_hints_are_refused(kernel_build, monkeypatch) -> None:
 def test_default_follows_the_vendor_and_the_environment_wins(monkeypatch) -> None:
     monkeypatch.delenv("INFERD_STREAM_PREFETCH", raising=False)
     amd = build.cpu_vendor() == "AuthenticAMD"
-    assert quant_gemm.stream_prefetch_hint() == ("nta" if amd else "t0")
+    assert quant_gemm.stream_prefetch_hint() == ("l2" if amd else "t0")
     if quant_gemm.extension() is None:
         pytest.skip("CPU kernels unavailable here")
     code = "from inferd.kernels.quant_gemm import extension; print(extension().stream_prefetch())"
