@@ -59,7 +59,7 @@ def test_bad_hints_are_refused(kernel_build, monkeypatch) -> None:
 def test_default_follows_the_vendor_and_the_environment_wins(monkeypatch) -> None:
     monkeypatch.delenv("INFERD_STREAM_PREFETCH", raising=False)
     amd = build.cpu_vendor() == "AuthenticAMD"
-    assert quant_gemm.stream_prefetch_hint() == ("l2" if amd else "t0")
+    assert quant_gemm.stream_prefetch_hint() == ("l2-rows" if amd else "t0")
     if quant_gemm.extension() is None:
         pytest.skip("CPU kernels unavailable here")
     code = "from inferd.kernels.quant_gemm import extension; print(extension().stream_prefetch())"

@@ -14,13 +14,14 @@ from types import ModuleType
 from inferd.kernels.build import cpu_vendor, load_extension
 
 # How the kernels prefetch the weights a step streams once (csrc/stream_prefetch.h): a property
-# of the CPU's caches. Into L2 only on AMD: a verification step's few rows of x then keep L1 to
-# themselves (on a Zen 4 EPYC, 3 verified drafts cost 0.20 of a plain fp32 step against 0.91
-# non-temporally; 1-row decode as fast). On an Intel Xeon (Emerald Rapids, 2 Dec) the non-temporal
-# hint halved the fp32 decode (16.7 against 31.7 tok/s with T0, 30.6 with none; `-q auto` 104
-# against 161 and 122; alternated in one process), so other vendors take T0; L2 was not measured
-# there. `INFERD_STREAM_PREFETCH=l2|nta|t0|off` overrides.
-STREAM_PREFETCH_HINTS = {"nta": 0, "t0": 1, "off": 2, "l2": 3}
+# of the CPU's caches. On AMD, fp32 weights read for several rows at once (speculative
+# verification) into L2, everything else non-temporally, so the victim L3 keeps the KV cache and a
+# draft head: on a Zen 4 EPYC, 2-3 verified fp32 drafts cost 0.28-0.32 of a plain step against
+# 0.41-0.57 with every prefetch non-temporal. On an Intel Xeon (Emerald Rapids, 2 Dec) the
+# non-temporal hint halved the fp32 decode (16.7 against 31.7 tok/s with T0, 30.6 with none;
+# `-q auto` 104 against 161 and 122; alternated in one process), so other vendors take T0; the L2
+# hints were not measured there. `INFERD_STREAM_PREFETCH=l2-rows|l2|nta|t0|off` overrides.
+STREAM_PREFETCH_HINTS = {"nta": 0, "t0": 1, "off": 2, "l2": 3, "l2-rows": 4}
 
 
 def stream_prefetch_hint() -> str:
@@ -30,7 +31,7 @@ def stream_prefetch_hint() -> str:
         if env not in STREAM_PREFETCH_HINTS:
             raise ValueError(f"INFERD_STREAM_PREFETCH={env!r}: expected one of {', '.join(STREAM_PREFETCH_HINTS)}")
         return env
-    return "l2" if cpu_vendor() == "AuthenticAMD" else "t0"
+    return "l2-rows" if cpu_vendor() == "AuthenticAMD" else "t0"
 
 
 def _with_stream_prefetch(ext: ModuleType | None) -> ModuleType | None:

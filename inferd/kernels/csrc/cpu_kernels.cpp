@@ -37,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("stream") = true);
   // The prefetch hint of streamed weights (stream_prefetch.h): 0 NTA, 1 T0, 2 none.
   m.def("set_stream_prefetch", [](int64_t h) {
-    TORCH_CHECK(h >= 0 && h <= 3, "stream prefetch hint: 0 (nta), 1 (t0), 2 (off) or 3 (l2), not ", h);
+    TORCH_CHECK(h >= 0 && h <= 4, "stream prefetch hint: 0 (nta), 1 (t0), 2 (off), 3 (l2) or 4 (l2-rows), not ", h);
     stream_prefetch::hint() = static_cast<int>(h);
   }, py::arg("hint"));
   m.def("stream_prefetch", [] { return static_cast<int64_t>(stream_prefetch::hint()); });

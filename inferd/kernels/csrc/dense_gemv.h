@@ -42,12 +42,14 @@ constexpr int64_t kMaxRows = 8;
 // How far ahead of the row being read the weights are prefetched (4 KB, into the next rows of the
 // thread's range): with 8 rows of x the loop's FMAs leave the stream too few loads in flight, and
 // without it an 8-row pass ran ~2x slower; at one row it is worth ~5 %.
-// Non-temporal (NTA): each weight is read once a step, and a decode step streams the whole model
-// (538 MB in fp32) through the caches. Fetched as T0, the stream evicted everything else from the
-// shared L3 every step: the step's own Python, the KV cache, the draft head's weights and caches
-// (7 MB). As NTA (on AMD's victim L3: lines that bypass it), those stay. Batch-1 fp32 decode,
-// chat prompts, alternated in one process: 88.0 against 82.5 tok/s; the eagle head's proposing
-// 0.42 ms against 0.82, its speedup 1.50x against 1.40x.
+// The hint is the CPU's (stream_prefetch.h). Each weight is read once a step, and a decode step
+// streams the whole model (538 MB in fp32) through the caches. Fetched as T0 on an AMD EPYC, the
+// stream evicted everything else from the shared L3 every step: the step's own Python, the KV
+// cache, the draft head's weights and caches (7 MB). Non-temporally (on AMD's victim L3: lines
+// that bypass it), those stayed: batch-1 fp32 decode, chat prompts, alternated in one process,
+// 88.0 against 82.5 tok/s; the eagle head's proposing 0.42 ms against 0.82, its speedup 1.50x
+// against 1.40x. AMD's default now fetches a pass of several x rows into L2 instead
+// (stream_prefetch.h's kL2Rows): its x rows then keep L1.
 constexpr int64_t kPrefetchFloats = 1024;
 // The gap `linear` leaves between long rows of x it copies (see there).
 constexpr int64_t kRowGapFloats = 128;
@@ -122,8 +124,8 @@ inline void row_dots(const float* x, int64_t ldx, const float* wr, int64_t K, fl
   for (int m = 0; m < MB; ++m) a0[m] = a1[m] = v16_zero();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    stream_prefetch::line(wr + k + kPrefetchFloats);
-    stream_prefetch::line(wr + k + kPrefetchFloats + 16);
+    stream_prefetch::line_rows(wr + k + kPrefetchFloats, MB);
+    stream_prefetch::line_rows(wr + k + kPrefetchFloats + 16, MB);
     const V16 w0 = v16_load(wr + k), w1 = v16_load(wr + k + 16);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
