@@ -10,6 +10,7 @@ import pytest
 from tiny_models import TinySpec, write_gguf
 
 from inferd.cli import main
+from inferd.kernels import build, quant_gemm
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,9 @@ def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical_greedy_outputs"]
+    # The kernels build wherever AVX2/FMA is there; the report says which path the figures are.
+    assert report["cpu_kernels"] is build.cpu_supports_avx2_fma()
+    assert report["stream_prefetch"] in quant_gemm.STREAM_PREFETCH_HINTS
     rows = {(r["task"], r["config"]): r for r in report["rows"]}
     assert set(rows) == {(t, c) for t in ("code", "chat") for c in ("off", "ngram k=2", "draft k=2")}
     for (task, config), r in rows.items():

@@ -17,6 +17,15 @@ def stats_ms(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
+def cpu_kernels_report() -> dict[str, bool | str]:
+    """Whether inferd's CPU kernels are loaded, and the prefetch hint they stream weights with.
+    Why: where they fail to build the engine runs the PyTorch path after one line on stderr, which
+    a bench's figures alone would hide (fp32 chat decode 15 against ~50 tok/s, session 27)."""
+    from inferd.kernels.quant_gemm import extension, stream_prefetch_hint
+
+    return {"cpu_kernels": extension() is not None, "stream_prefetch": stream_prefetch_hint()}
+
+
 def add_model_args(p: argparse.ArgumentParser, peers: bool = True) -> None:
     """--model, --dtype, --quantization (fp32 by default: the precision HF runs), --threads,
     --peers."""

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from inferd.bench.common import add_model_args, set_threads, stats_ms
+from inferd.bench.common import add_model_args, cpu_kernels_report, set_threads, stats_ms
 from inferd.bench.peers import LLAMA_CPP_MISSING, Timed, parse_peers
 from inferd.bench.roofline import (
     Roofline,
@@ -27,7 +27,6 @@ from inferd.bench.roofline import (
 )
 from inferd.config import KV_CACHE_DTYPES
 from inferd.engine_args import parse_bytes
-from inferd.kernels.quant_gemm import stream_prefetch_hint
 from inferd.kv.kv_cache import kv_bytes_per_token
 
 
@@ -173,7 +172,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
         "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
-        "stream_prefetch": stream_prefetch_hint(), "roofline": roof.as_dict(),
+        **cpu_kernels_report(), "roofline": roof.as_dict(),
         "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
         "notes": notes, "engines": {k: summarize(v, cost, roof, b, n_in) for k, v in runs.items()},

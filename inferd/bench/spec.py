@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 
+from inferd.bench.common import cpu_kernels_report
 from inferd.engine_args import parse_bytes
 
 PASSAGES = (
@@ -148,8 +149,12 @@ def run_spec(args: argparse.Namespace) -> dict:
                          "mean_acceptance_length": round(emitted / drafts, 2) if drafts else None})  # fmt: skip
     batch = _run_batch(llms, tasks, args) if args.batch else {}
     _print_table(rows, batch, args)
+    kernels = cpu_kernels_report()
+    if not kernels["cpu_kernels"]:
+        print("note: inferd's CPU kernels are not loaded (see the line above on stderr): these "
+              "figures are the PyTorch fallback's")  # fmt: skip
     report = {"bench": "spec", "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
-              "identical_greedy_outputs": True,
+              "identical_greedy_outputs": True, **kernels,
               f"batch{args.batch}_tokens_per_s": {k: round(v[0], 1) for k, v in batch.items()},
               f"batch{args.batch}_ratio_vs_off": {k: round(v[1], 3) for k, v in batch.items()}}  # fmt: skip
     print(json.dumps(report))
