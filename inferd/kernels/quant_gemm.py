@@ -16,8 +16,8 @@ from inferd.kernels.build import cpu_vendor, load_extension
 # How the kernels prefetch the weights a step streams once (csrc/stream_prefetch.h): a property
 # of the CPU's caches. On AMD, fp32 weights read for several rows at once (speculative
 # verification) into L2, everything else non-temporally, so the victim L3 keeps the KV cache and a
-# draft head: on a Zen 4 EPYC, 2-3 verified fp32 drafts cost 0.28-0.32 of a plain step against
-# 0.41-0.57 with every prefetch non-temporal. On an Intel Xeon (Emerald Rapids, 2 Dec) the
+# draft head: on a Zen 4 EPYC, 2-3 verified fp32 drafts cost 0.08-0.15 of a plain step against
+# 0.41-0.57 with every prefetch non-temporal (start-up calibration). On an Intel Xeon (Emerald Rapids, 2 Dec) the
 # non-temporal hint halved the fp32 decode (16.7 against 31.7 tok/s with T0, 30.6 with none;
 # `-q auto` 104 against 161 and 122; alternated in one process), so other vendors take T0; the L2
 # hints were not measured there. `INFERD_STREAM_PREFETCH=l2-rows|l2|nta|t0|off` overrides.

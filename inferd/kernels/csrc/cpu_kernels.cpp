@@ -35,7 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("mins"), py::arg("group"));
   m.def("tiles_linear", &quant_gemm::tiles_linear, "x[M,K] · packed tiles^T, int8 activations",
         py::arg("x"), py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("stream") = true);
-  // The prefetch hint of streamed weights (stream_prefetch.h): 0 NTA, 1 T0, 2 none.
+  // The prefetch hint of streamed weights (stream_prefetch.h): 0 NTA, 1 T0, 2 none, 3 L2, 4 L2 for
+  // passes of several fp32 rows and NTA otherwise.
   m.def("set_stream_prefetch", [](int64_t h) {
     TORCH_CHECK(h >= 0 && h <= 4, "stream prefetch hint: 0 (nta), 1 (t0), 2 (off), 3 (l2) or 4 (l2-rows), not ", h);
     stream_prefetch::hint() = static_cast<int>(h);

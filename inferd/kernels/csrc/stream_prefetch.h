@@ -11,8 +11,8 @@
 //   (AVX512-BF16, 32 MB L3, 2 vCPUs; 2 Dec, session 27), the default model's fp32 weights
 //   streamed by dense_linear, the hints alternated in one process: 4 rows took 1.01-1.18x a
 //   1-row pass into L2 against 1.25-1.40x non-temporally; the engine's start-up calibration put
-//   2 / 3 verified drafts at 0.28-0.29 / 0.29-0.32 of a plain step against 0.41-0.43 /
-//   0.53-0.57. The one-row decode and the tiles keep kNta: into L2 their figures did not move
+//   2 / 3 verified drafts at 0.08-0.15 / 0.13-0.15 of a plain step with kL2Rows (0.28-0.32 with
+//   kL2) against 0.41-0.43 / 0.53-0.57 with kNta. The one-row decode and the tiles keep kNta: into L2 their figures did not move
 //   beyond this machine's noise (+-15 % between rounds), and kNta keeps the stream out of L3.
 // - kL2: every streamed weight into L2.
 // - kNta: non-temporal. On AMD's victim L3 the lines bypass it, so a 538 MB fp32 stream no
