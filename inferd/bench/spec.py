@@ -8,8 +8,9 @@ speedup over speculation off, per proposer and depth k, on three tasks:
   from scratch);
 - "chat": open questions, where only a model (draft model, learned head) can guess ahead.
 With --batch N, also N chat requests at once (the policy should keep throughput >= 0.95x of
-speculation off). Every config's engine stays loaded and the configs take turns run by run; a
-speedup is the median of per-run ratios, so a change of the machine's load hits both sides alike.
+speculation off). Every config's engine stays loaded and the configs take turns prompt by prompt;
+a speedup is the median of per-run ratios (each run: every prompt once), so a change of the
+machine's load hits both sides alike.
 Greedy outputs must be identical to speculation off: the bench checks it.
 """
 
@@ -128,16 +129,23 @@ def run_spec(args: argparse.Namespace) -> dict:
     for task, prompts in tasks.items():
         before = {label: _spec_counts(llm) for label, llm in llms.items()}
         times: dict[str, list[float]] = {label: [] for label in llms}
-        outputs: list[tuple[str, list[list[int]]]] = []
+        outputs: dict[str, list[list[int]]] = {label: [] for label in llms}
+        labels = list(llms)
         for run in range(args.runs):
-            labels = list(llms)
-            for label in labels[run % len(labels):] + labels[: run % len(labels)]:  # rotate who goes first
-                seconds, outs = _run_batch1(llms[label], prompts, args.max_tokens)
-                times[label].append(seconds)
-                outputs.append((label, outs))
-        reference = next(outs for label, outs in outputs if label == "off")
-        for label, outs in outputs:
-            if outs != reference:
+            for label in labels:
+                times[label].append(0.0)
+            # The configs take turns prompt by prompt (who goes first rotating), so that the pair
+            # behind a ratio ran seconds apart, not a whole run apart: this machine's speed moves
+            # by +-15 % within minutes.
+            for i, prompt in enumerate(prompts):
+                turn = (run * len(prompts) + i) % len(labels)
+                for label in labels[turn:] + labels[:turn]:
+                    seconds, (out,) = _run_batch1(llms[label], [prompt], args.max_tokens)
+                    times[label][-1] += seconds
+                    outputs[label].append(out)
+        reference = outputs["off"][: len(prompts)]  # every run of every config must give these
+        for label, outs in outputs.items():
+            if outs != reference * args.runs:
                 raise SystemExit(f"{label} on {task}: greedy output differs from speculation off")
         tokens = sum(len(o) for o in reference)
         for label, llm in llms.items():
