@@ -42,3 +42,12 @@ def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
     assert rows[("chat", "draft k=2")]["acceptance_rate"] in (None, 1.0)
     assert set(report["batch3_ratio_vs_off"]) == {"off", "ngram k=2", "draft k=2"}
     assert report["batch3_ratio_vs_off"]["off"] == 1.0
+
+
+def test_bench_spec_no_ngram_leaves_prompt_lookup_out(long_context_tiny, capsys) -> None:
+    model = str(long_context_tiny.path)
+    argv = ["bench", "spec", "--model", model, "--k", "2", "3", "--max-tokens", "4", "--runs", "1",
+            "--tasks", "chat", "--draft-model", model, "--no-ngram", "--kv-cache-memory", str(4 << 20)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["config"] for r in report["rows"]] == ["off", "draft k=2", "draft k=3"]

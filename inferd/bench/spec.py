@@ -89,7 +89,8 @@ def _spec_counts(llm) -> tuple[int, int, int, int]:
 def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
     configs: list[tuple[str, dict | None]] = [("off", None)]
     for k in args.k:
-        configs.append((f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}))
+        if not args.no_ngram:
+            configs.append((f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}))
         if args.draft_model:
             configs.append((f"draft k={k}", {"method": "draft_model", "model": args.draft_model,
                                              "num_speculative_tokens": k}))  # fmt: skip
@@ -215,6 +216,8 @@ def add_spec_parser(sub) -> None:
                         "its likeliest nodes with runner-ups; t: t - 1 more leaves per depth)")
     p.add_argument("--chain", action="store_true",
                    help="also run each eagle depth as plain chains (dynamic_tree off)")
+    p.add_argument("--no-ngram", action="store_true",
+                   help="leave prompt lookup out (e.g. a chat-only run of the models' proposers)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")
