@@ -38,6 +38,9 @@ class _FixedCostPolicy(SpecPolicy):
     def record_speculation_time(self, *args) -> None:
         pass  # drafting and its bookkeeping stay free
 
+    def record_forward(self, *args) -> None:
+        pass  # and verification's forward at the fixed F (no re-measuring, no plain reference steps)
+
 
 @pytest.fixture(scope="module")
 def draft_gguf(tmp_path_factory):

@@ -41,6 +41,20 @@ from inferd.structured.manager import StructuredOutputManager
 logger = logging.getLogger("inferd.engine")
 
 
+def _uniform_extra_rows(scheduled: list[tuple[Sequence, int]]) -> int | None:
+    """Rows per sequence beyond its one when every scheduled sequence decodes (one token, or one
+    and its drafts and draft-tree leaves) with as many; else None (the step is no F(j) sample)."""
+    rows = None
+    for seq, n in scheduled:
+        if seq.num_output_tokens == 0 or n != 1 + len(seq.spec_token_ids):
+            return None  # a prompt chunk, or a recomputation after preemption
+        extra = n - 1 + len(seq.spec_leaves)
+        if rows is not None and extra != rows:
+            return None
+        rows = extra
+    return rows
+
+
 def _warn_without_cpu_kernels(device: torch.device) -> None:
     """A CPU engine whose kernels failed to build runs the PyTorch path: same outputs, ~3x slower
     decoding (fp32 chat 15 against ~50 tok/s). The build's own line on stderr is easy to miss in a
@@ -298,7 +312,11 @@ class EngineCore:
         observing = self.proposer is not None and self.proposer.needs_hidden
         # Each scheduled sequence's first position this step (its rows follow in order).
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled] if observing else None
+        extra_rows = _uniform_extra_rows(out.scheduled) if self.spec_policy is not None else None
+        forward_start = time.perf_counter()
         logits, hidden, batch = self.runner.execute(out, all_hidden=observing)
+        if self.spec_policy is not None:
+            self.spec_policy.record_forward(len(out.scheduled), extra_rows, time.perf_counter() - forward_start)
         for seq, n in out.scheduled:
             if seq.spec_token_ids:
                 continue  # a verification: advanced below, once the accepted drafts are known

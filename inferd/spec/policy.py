@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from inferd.scheduler.sequence import Sequence
+from inferd.spec.step_times import StepTimes
 
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.4, 2.0  # a = 0.7 until a sequence has evidence of its own
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
@@ -165,13 +166,25 @@ class SpecPolicy:
         self._step = 0  # calls of `depths`
         self._fitted_depths: tuple[int, ...] = ()  # the depths the fitted line went through
         self._seen_accepted = self._seen_tried = 0.0  # every sequence's verifications, decayed
+        # F re-measured from the engine's own steps at small batches (inferd.spec.step_times).
+        self.step_times = StepTimes() if self.verify_cost else None
 
     def forward_cost(self, batch_size: int, k: int) -> float:
-        """F(k) at this batch size: the forward's extra cost of k drafts per sequence."""
+        """F(k) at this batch size: the forward's extra cost of k drafts per sequence (rows), as
+        recent steps measured it where they did, else as the start-up calibration did."""
         if k <= 0 or not self.verify_cost:
             return 0.0
+        measured = self.step_times.extra_cost(batch_size, k) if self.step_times else None
+        if measured is not None:
+            return measured
         k = min(k, self.k_max)
         return _interpolate({b: c[k - 1] for b, c in self.verify_cost.items()}, batch_size)
+
+    def record_forward(self, batch_size: int, extra_rows: int | None, seconds: float) -> None:
+        """A decode step's forward took `seconds`: `batch_size` sequences, `extra_rows` rows each
+        beyond their one (None: rows differ between sequences, or some prefill)."""
+        if self.step_times is not None:
+            self.step_times.record(batch_size, extra_rows, seconds)
 
     def beta(self, batch_size: int) -> float:
         """The forward's extra cost per draft at k_max drafts (F(k_max) / k_max)."""
@@ -229,6 +242,8 @@ class SpecPolicy:
         """k per sequence for this step (0: no drafts); `batch_size`: sequences decoding."""
         if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
             return [0] * len(seqs)
+        if self.step_times is not None and self.step_times.wants_reference(batch_size):
+            return [0] * len(seqs)  # a plain step, timed beside its neighbours (step_times)
         self._step += 1
         if self._spec_time_line is not None and self._measured_depths() != self._fitted_depths:
             self._spec_time_line = None  # a depth's measurement expired: refitted without it
