@@ -9,7 +9,6 @@ from tiny_models import TinySpec, write_gguf
 
 from inferd import LLM, SamplingParams
 from inferd.engine import core
-from inferd.sampling.params import SamplingParams as Params
 from inferd.scheduler.sequence import Sequence
 from inferd.spec import step_times
 from inferd.spec.policy import SpecPolicy
@@ -55,7 +54,7 @@ def test_the_policy_asks_for_plain_steps_while_speculating() -> None:
     assert not times.wants_reference(1)
     policy = SpecPolicy(3, None, {1: [0.0, 0.05, 0.1]})
     policy.step_times = times
-    seqs = [Sequence("r", 0, [1, 2], 2, Params(max_tokens=100))]
+    seqs = [Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=100))]
     for _ in range(4):
         times.record(1, 3, 0.02)
     assert policy.depths(seqs, batch_size=1) == [0]  # the reference step
