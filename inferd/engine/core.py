@@ -35,6 +35,7 @@ from inferd.scheduler.sequence import Logprob, Sequence
 from inferd.spec.calibrate import measure_verify_cost
 from inferd.spec.policy import SpecPolicy
 from inferd.spec.proposer import build_proposer
+from inferd.spec.step_times import MAX_BATCH as STEP_TIMES_MAX_BATCH
 from inferd.structured.backend import GrammarError
 from inferd.structured.manager import StructuredOutputManager
 
@@ -312,7 +313,10 @@ class EngineCore:
         observing = self.proposer is not None and self.proposer.needs_hidden
         # Each scheduled sequence's first position this step (its rows follow in order).
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled] if observing else None
-        extra_rows = _uniform_extra_rows(out.scheduled) if self.spec_policy is not None else None
+        # Only small batches' forwards re-measure F (inferd.spec.step_times): larger ones skip the
+        # per-sequence look (their step still breaks a pair, as None).
+        timed = self.spec_policy is not None and len(out.scheduled) <= STEP_TIMES_MAX_BATCH
+        extra_rows = _uniform_extra_rows(out.scheduled) if timed else None
         forward_start = time.perf_counter()
         logits, hidden, batch = self.runner.execute(out, all_hidden=observing)
         if self.spec_policy is not None:
