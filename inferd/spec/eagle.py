@@ -130,10 +130,16 @@ class EagleProposer(Proposer):
         if not todo:
             return
         head = self.head
-        rows = torch.cat([h for _, p in todo for h in p.hidden])
-        positions = torch.cat([torch.arange(p.start, p.end) for _, p in todo]).to(rows.device)
+        # (One sequence's one step, the usual case at batch 1, without the cats: ~30 us a step.)
+        hidden = [h for _, p in todo for h in p.hidden]
+        rows = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        if len(todo) == 1:
+            positions = torch.arange(todo[0][1].start, todo[0][1].end, device=rows.device)
+        else:
+            positions = torch.cat([torch.arange(p.start, p.end) for _, p in todo]).to(rows.device)
         nexts = torch.tensor([t for _, p in todo for t in p.nexts], device=rows.device)
-        x, k, v = head.cache_entries(rows, nexts, positions)
+        top = max(p.end for _, p in todo) - 1
+        x, k, v = head.cache_entries(rows, nexts, positions, top_position=top)
         at = 0
         for seq, p in todo:
             n = p.end - p.start

@@ -410,15 +410,22 @@ class EagleHead(nn.Module):
     def _rope_full(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at 1-D `positions` in the engine's full-width layout (x·cos +
         swap_halves(x)·sin, the first half of sin negated): what the C++ rotary takes."""
-        table = self.__dict__.get("_rope_full_table")
         top = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._rope_full_table(top, positions.device)
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+
+    def _rope_full_table(self, top: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, sin tables [P, D] of `_rope_full`, grown to reach position top - 1 (the
+        C++ chain and cache entries index them themselves; `top` a Python int, so no tensor op
+        runs on a step that needs no growth: ~25 us of a speculating step's Python)."""
+        table = self.__dict__.get("_rope_full_table_")
         if table is None or len(table[0]) < top:
             size = 1 << max(top - 1, 255).bit_length()  # grown to the next power of two
-            cos, sin = self._rope(torch.arange(size, device=positions.device), torch.float32)
+            cos, sin = self._rope(torch.arange(size, device=device), torch.float32)
             cos, sin = cos.squeeze(-2), sin.squeeze(-2)
             table = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
-            self.__dict__["_rope_full_table"] = table
-        return table[0][positions].unsqueeze(-2), table[1][positions].unsqueeze(-2)
+            self.__dict__["_rope_full_table_"] = table
+        return table
 
     def qkv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated queries [..., NH, D], keys [..., KVH, D] and values [..., KVH, D] of x at
@@ -576,12 +583,13 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,  # [N, H] the target's hidden states at `positions`
         next_tokens: torch.Tensor,  # [N] the token after each position
         positions: torch.Tensor,  # [N]
+        top_position: int | None = None,  # the largest of `positions`, where the caller knows it
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x [N, H], keys [N, KVH, D], values [N, KVH, D]) of true positions, for DraftCache."""
         fused = self._fused_weights()
         if fused is not None and hidden.dim() == 2 and hidden.dtype == torch.float32:
-            self._rope_full(positions)  # the tables reach every position
-            cos, sin = self.__dict__["_rope_full_table"]
+            top = (int(positions.max()) + 1 if top_position is None else top_position + 1) if len(positions) else 1
+            cos, sin = self._rope_full_table(top, positions.device)  # reaching every position
             return self._kernels.eagle_cache_entries(
                 fused, self._fused_shape(), hidden.contiguous(), next_tokens, positions, cos, sin
             )
@@ -757,10 +765,10 @@ class EagleHead(nn.Module):
         (tokens, runner-ups, probabilities), the last two empty unless `confidences`."""
         for c in caches:
             c.reserve(k)
-        x = torch.stack([c.x_last for c in caches])
-        pos = torch.tensor([c.end - 1 for c in caches])
-        self._rope_full(pos + (k - 1))  # the tables reach every position of the chains
-        cos, sin = self.__dict__["_rope_full_table"]
+        x = caches[0].x_last.unsqueeze(0) if len(caches) == 1 else torch.stack([c.x_last for c in caches])
+        ends = [c.end - 1 for c in caches]
+        pos = torch.tensor(ends)
+        cos, sin = self._rope_full_table(max(ends) + k, pos.device)  # reaching every chain position
         return self._kernels.eagle_draft_chains(
             fused, self._fused_shape(), x, pos, [c.k for c in caches], [c.v for c in caches],
             [c.end - c.lo for c in caches], cos, sin, k, confidences,
