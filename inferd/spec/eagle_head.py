@@ -415,16 +415,16 @@ class EagleHead(nn.Module):
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
     def _rope_full_table(self, top: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole cos, sin tables [P, D] of `_rope_full`, grown to reach position top - 1 (the
-        C++ chain and cache entries index them themselves; `top` a Python int, so no tensor op
-        runs on a step that needs no growth: ~25 us of a speculating step's Python)."""
-        table = self.__dict__.get("_rope_full_table_")
+        """The whole cos, sin tables [P, D] of `_rope_full`, grown to reach position top - 1. The C++
+        chain and cache entries index them themselves: before, each call also gathered the rows
+        of its positions and threw them away."""
+        table = self.__dict__.get("_rope_full_cache")
         if table is None or len(table[0]) < top:
             size = 1 << max(top - 1, 255).bit_length()  # grown to the next power of two
             cos, sin = self._rope(torch.arange(size, device=device), torch.float32)
             cos, sin = cos.squeeze(-2), sin.squeeze(-2)
             table = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
-            self.__dict__["_rope_full_table_"] = table
+            self.__dict__["_rope_full_cache"] = table
         return table
 
     def qkv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -583,12 +583,11 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,  # [N, H] the target's hidden states at `positions`
         next_tokens: torch.Tensor,  # [N] the token after each position
         positions: torch.Tensor,  # [N]
-        top_position: int | None = None,  # the largest of `positions`, where the caller knows it
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x [N, H], keys [N, KVH, D], values [N, KVH, D]) of true positions, for DraftCache."""
         fused = self._fused_weights()
         if fused is not None and hidden.dim() == 2 and hidden.dtype == torch.float32:
-            top = (int(positions.max()) + 1 if top_position is None else top_position + 1) if len(positions) else 1
+            top = int(positions.max()) + 1 if len(positions) else 1
             cos, sin = self._rope_full_table(top, positions.device)  # reaching every position
             return self._kernels.eagle_cache_entries(
                 fused, self._fused_shape(), hidden.contiguous(), next_tokens, positions, cos, sin
@@ -765,7 +764,7 @@ class EagleHead(nn.Module):
         (tokens, runner-ups, probabilities), the last two empty unless `confidences`."""
         for c in caches:
             c.reserve(k)
-        x = caches[0].x_last.unsqueeze(0) if len(caches) == 1 else torch.stack([c.x_last for c in caches])
+        x = torch.stack([c.x_last for c in caches])
         ends = [c.end - 1 for c in caches]
         pos = torch.tensor(ends)
         cos, sin = self._rope_full_table(max(ends) + k, pos.device)  # reaching every chain position
