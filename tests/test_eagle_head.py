@@ -56,13 +56,16 @@ def _cache_upto(head: EagleHead, hidden: torch.Tensor, tokens: torch.Tensor, t: 
     return cache
 
 
-def test_engine_chains_equal_the_training_levels(target) -> None:
+@pytest.mark.parametrize("features", [(), (0,)])
+def test_engine_chains_equal_the_training_levels(target, features) -> None:
     """Drafting from the engine's cache, step by step, computes the same features as training's
     all-positions-at-once levels (chain step j from t = level j - 1 at position t + j - 1), when
-    the chain is fed the same tokens: what the training optimises is what the engine runs."""
-    head = _trained_like(target, intermediate_size=64)
+    the chain is fed the same tokens: what the training optimises is what the engine runs. Also
+    for a head that reads a lower layer's output beside the final hidden state (EAGLE-3)."""
+    head = _trained_like(target, intermediate_size=64, feature_layers=features)
     seq = _sequences(1, 30, target.config.vocab_size)[0]
-    states = target_hidden_states(target, [seq])
+    states = target_hidden_states(target, [seq], capture_layers=features)
+    assert states.hidden[0].shape[1] == head.input_size == target.config.hidden_size * (1 + len(features))
     h, toks = states.hidden[0], states.tokens[0]
     levels = head.forward_levels(h[None], toks[None], torch.tensor([30]), 4)
     assert [f.shape for f in levels] == [(1, 29, target.config.hidden_size)] * 4
@@ -137,9 +140,10 @@ def test_draft_cache_grows_overwrites_and_restarts_after_a_gap() -> None:
     assert (copy.lo, copy.end) == (0, 37)  # a fork's copy is its own
 
 
-def test_save_load_round_trip_is_bit_exact(target, tmp_path) -> None:
+@pytest.mark.parametrize("features", [(), (0, 1)])
+def test_save_load_round_trip_is_bit_exact(target, tmp_path, features) -> None:
     torch.manual_seed(1)
-    head = EagleHead.for_target(target, intermediate_size=80)
+    head = EagleHead.for_target(target, intermediate_size=80, feature_layers=features)
     for p in head.parameters():  # not the init values: loading must carry every tensor
         p.data.add_(torch.randn_like(p) * 0.01)
     head.save(tmp_path / "head")
@@ -148,8 +152,9 @@ def test_save_load_round_trip_is_bit_exact(target, tmp_path) -> None:
     loaded = EagleHead.load(tmp_path / "head", target, device="cpu", dtype=torch.float32)
     a, b = head.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert loaded.feature_layers == features and cfg["feature_layers"] == list(features)
     seq = _sequences(1, 12, target.config.vocab_size)[0]
-    states = target_hidden_states(target, [seq])
+    states = target_hidden_states(target, [seq], capture_layers=features)
     h, toks = states.hidden[0], states.tokens[0]
     a_feats = head.forward_levels(h[None], toks[None], torch.tensor([12]), 2)
     b_feats = loaded.forward_levels(h[None], toks[None], torch.tensor([12]), 2)
@@ -189,6 +194,16 @@ def test_load_rejects_bad_paths_and_other_targets(target, tiny_models, tmp_path)
         EagleHead(10, 10, 4, 2)  # 10 is no multiple of 4 heads
     (path / "config.json").write_text(json.dumps({**head.config, "architecture": "fc-swiglu-v1"}))
     with pytest.raises(ValueError, match="architecture 'fc-swiglu-v1' is not supported"):
+        EagleHead.load(path, target)
+    # Feature layers the target does not have, or out of order.
+    n = target.config.num_layers
+    deep = EagleHead.for_target(target, intermediate_size=64, feature_layers=(0,))
+    path = deep.save(tmp_path / "deep")
+    (path / "config.json").write_text(json.dumps({**deep.config, "feature_layers": [n]}))
+    with pytest.raises(ValueError, match=f"reads target layers \\[{n}\\]; the target model has {n}"):
+        EagleHead.load(path, target)
+    (path / "config.json").write_text(json.dumps({**deep.config, "feature_layers": [1, 0]}))
+    with pytest.raises(ValueError, match="ascending"):
         EagleHead.load(path, target)
 
 
@@ -487,14 +502,24 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
                            kv_cache_memory=8 << 20, draft_vocab_size=0, data_cache=False, init=init,
                            train=TrainOptions(epochs=3, batch_size=6, unroll=2, lr=lr, log_every=0))  # fmt: skip
 
-    first = train_eagle(recipe("first", 2e-2))
+    first = recipe("first", 2e-2)
+    first.feature_layers = ()  # a plain head, continued below as one that reads a lower layer
+    first = train_eagle(first)
     again = train_eagle(recipe("again", 1e-12, init=str(tmp_path / "first")))
     assert again["first_loss"] < 0.8 * first["first_loss"]
     target = _target(tiny_llama_hf.path)
     a, b = EagleHead.load(tmp_path / "first", target), EagleHead.load(tmp_path / "again", target)
     assert b.intermediate_size == 64
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+    assert a.feature_layers == () and b.feature_layers == (target.config.num_layers // 2,)
+    theirs = b.state_dict()
+    assert theirs.pop("feature_fc.weight").abs().max() < 1e-6  # started at zero, barely moved
+    for (name, x), (_, y) in zip(a.state_dict().items(), theirs.items(), strict=True):
         assert torch.allclose(x, y, atol=1e-6), name
+    # A head that reads other layers than the data has cannot go on with it.
+    with pytest.raises(ValueError, match="reads target layers"):
+        bad = recipe("bad", 1e-12, init=str(tmp_path / "again"))
+        bad.feature_layers = (0,)
+        train_eagle(bad)
 
 
 @pytest.mark.parametrize("activations", ["default", "fp32"])

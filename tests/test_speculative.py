@@ -517,16 +517,19 @@ def test_seeded_sampling_is_the_same_with_speculation_on(tiny_llama_gguf):
     assert run({"method": "ngram"}) == run(None)
 
 
-@pytest.mark.parametrize("vocab", [None, 120])
-def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path, vocab):
+@pytest.mark.parametrize(("vocab", "features"), [(None, ()), (120, ()), (None, (0,))])
+def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path, vocab, features):
     """A learned draft head (here untrained: its drafts are mostly wrong) changes no output, with
-    the whole vocabulary or a reduced draft vocabulary."""
+    the whole vocabulary or a reduced draft vocabulary, or reading a lower layer's output too."""
     from inferd.spec import draft_vocab
     from inferd.spec.eagle_head import EagleHead
 
     target = _llm(tiny_llama_gguf.path).engine.runner.model
     torch.manual_seed(0)
-    EagleHead.for_target(target).save(tmp_path / "head")
+    head = EagleHead.for_target(target, feature_layers=features)
+    if features:  # not the zero init: the feature layer's rows must reach the head
+        torch.nn.init.normal_(head.feature_fc.weight, std=0.1)
+    head.save(tmp_path / "head")
     if vocab:
         draft_vocab.save(tmp_path / "head", torch.arange(0, 2 * vocab, 2))
     llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
@@ -537,12 +540,14 @@ def test_eagle_head_greedy_identical(tiny_llama_gguf, reference, tmp_path, vocab
     llm.engine.check_no_leaks()
 
 
-def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, tmp_path):
+@pytest.mark.parametrize("features", [(), (0,)])
+def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, tmp_path, features):
     """After every step, the proposer's per-sequence cache holds the head's keys and values of
     each position the target computed (prompt chunks, decodes, the accepted part of a
     verification), equal to those computed offline from the whole sequence; a prompt prefix
     served from the prefix cache is left out (the cache starts after it), and nothing is left
-    behind once requests end."""
+    behind once requests end. With a feature layer (EAGLE-3), the rows the engine's steps
+    capture from it (the fused decode step split there) are the offline forward's."""
     from inferd.spec.eagle import _MAX_PENDING
     from inferd.spec.eagle_data import target_hidden_states
     from inferd.spec.eagle_head import EagleHead
@@ -554,10 +559,10 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # A head that learned this very continuation by heart: many drafts accepted, some not.
     (out,) = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    states = target_hidden_states(target, [prompt + list(out.outputs[0].token_ids)])
+    states = target_hidden_states(target, [prompt + list(out.outputs[0].token_ids)], capture_layers=features)
     lm = target.lm_head.weight.detach()
     torch.manual_seed(0)
-    head = EagleHead.for_target(target)
+    head = EagleHead.for_target(target, feature_layers=features)
     train_head(head, prepare(states, [len(prompt)], lm), target.embed_tokens, lm,
                TrainOptions(epochs=60, batch_size=1, lr=3e-3, noise=0.0, log_every=0))  # fmt: skip
     head.save(tmp_path / "head")
@@ -566,6 +571,15 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
                enable_prefix_caching=True, max_num_batched_tokens=16)  # fmt: skip
     engine = llm.engine
     checked = []
+    fused_runs = []  # (start, end) of each fused decode call: split at the feature layer
+    model = engine.runner.model
+    fused = model._decode_layers
+
+    def recording(ext, x, rope, kv, meta, start=0, end=None):
+        fused_runs.append((start, end))
+        return fused(ext, x, rope, kv, meta, start, end)
+
+    model._decode_layers = recording
 
     depths = engine.spec_policy.depths
     quiet_steps = {"left": 0}
@@ -596,7 +610,7 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
                 if cache is None:
                     continue
                 n = cache.end
-                states = target_hidden_states(target, [seq.token_ids[:n]])
+                states = target_hidden_states(target, [seq.token_ids[:n]], capture_layers=features)
                 _, k, v = engine.proposer.head.cache_entries(
                     states.hidden[0], torch.tensor(seq.token_ids[1 : n + 1]), torch.arange(n))
                 kc, vc = cache.keys()
@@ -621,3 +635,9 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert len(checked) > 10
     engine.check_no_leaks()
+    from inferd.kernels.quant_gemm import extension
+    from inferd.models.llama import FUSED_DECODE
+
+    if FUSED_DECODE and extension() is not None:  # decodes ran fused, split where captured
+        n = model.config.num_layers
+        assert set(fused_runs) == ({(0, 1), (1, n)} if features else {(0, None)})

@@ -82,7 +82,8 @@ class StepBatch:
     sample_seqs: list[Sequence]
     # Per sampling sequence, how many consecutive sample_rows are its own: 1, or 1 + k drafts.
     sample_counts: list[int]
-    # Every row's final hidden state, when `execute` was asked for them (a learned draft head).
+    # Every row's final hidden state, when `execute` was asked for them (a learned draft head),
+    # followed by the outputs of the layers the model captures (`capture_layers`).
     hidden: torch.Tensor | None = None
     # Draft-tree leaves: per sequence id, its first row and its first leaf's; (src, dst) slots
     # copied before the forward into the leaves' scratch blocks (every layer).
@@ -275,7 +276,9 @@ class ModelRunner:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if all_hidden:
-            batch.hidden = hidden
+            # A draft head reading more of the target: its captured layers' rows after each row's.
+            captured = self.model.captured if self.model.capture_layers else ()
+            batch.hidden = torch.cat([hidden, *captured], dim=-1) if captured else hidden
         if not batch.sample_rows:
             empty = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             return empty, hidden[:0], batch

@@ -123,6 +123,10 @@ class LlamaForCausalLM(nn.Module):
         self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
         self._tiles = False  # some weights packed into tiles: the fused step needs int8 activations
         self._fused_rows: int | None = None  # _fused_max_rows, once known
+        # Layers whose output (the residual stream, before the final norm) `forward` keeps in
+        # `captured`, ascending: the extra features a learned draft head reads (EAGLE-3).
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -147,9 +151,23 @@ class LlamaForCausalLM(nn.Module):
                 and x.dtype == torch.float32 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
                 and x.shape[0] <= self._fused_max_rows(kg.kernel)):  # fmt: skip
-            return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
-        for layer, kv in zip(self.layers, kv_caches):
+            if not self.capture_layers:
+                return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
+            # One fused call per run of layers between the captured ones.
+            captured, start = [], 0
+            for end in (*(i + 1 for i in self.capture_layers), len(self.layers)):
+                if end > start:
+                    x = self._decode_layers(kg.kernel, x, rope, kv_caches, meta, start, end)
+                captured.append(x)
+                start = end
+            self.captured = captured[:-1]
+            return self.norm(x)
+        captured = []
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer.forward(x, rope, kv, meta)
+            if i in self.capture_layers:
+                captured.append(x)
+        self.captured = captured
         return self.norm(x)
 
     def _fused_max_rows(self, ext) -> int:
@@ -168,8 +186,10 @@ class LlamaForCausalLM(nn.Module):
             self._fused_rows = ext.dense_gemm_max_rows if dense else 1 << 62
         return self._fused_rows
 
-    def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Every layer in one C++ call (csrc/decoder_layers.h) for a kernel-group-only step."""
+    def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata, start: int = 0,
+                       end: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Layers [start, end) (default: all) in one C++ call (csrc/decoder_layers.h) for a
+        kernel-group-only step."""
         if self._fused_layers is None:
             linear = functools.partial(kernel_linear_weights, ext)
             self._fused_layers = [
@@ -183,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
         shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                  cfg.rms_norm_eps, attn.scale, formats.int8_activations_default(ext))  # fmt: skip
+        layers, kv_caches = self._fused_layers[start:end], kv_caches[start:end]
         first = kv_caches[0][0]
         if isinstance(first, QuantizedKV):  # codes and scales: quantized in C++ as kv_cache.py does
             quant = ext.QuantizedCaches([kv[0].scale for kv in kv_caches], [kv[1].scale for kv in kv_caches],
@@ -192,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
             quant = ext.QuantizedCaches([], [], 0, 0.0)
             k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
         return ext.decode_layers(
-            x, self._fused_layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
+            x, layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
             kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape, quant,
             meta.mirror_rows, meta.mirror_slots,
         )  # fmt: skip

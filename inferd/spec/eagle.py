@@ -79,6 +79,9 @@ class EagleProposer(Proposer):
         # int4 linears on the CPU (the engine's packed tiles): a draft step streams every weight
         # of the head, k times per target step; drafts are only proposals, verification decides.
         self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
+        # The target keeps the outputs of the layers the head reads beside its final hidden
+        # state (EAGLE-3's features); the runner hands them over after it in each row.
+        engine.runner.model.capture_layers = self.head.feature_layers
         # Greedy chains spend their rows on the likeliest nodes of the chain and each depth's
         # runner-up and third (inferd.spec.draft_tree), as many as the engine's `rows` says,
         # unless a fixed draft tree is asked for (draft_topk > 1).
@@ -98,7 +101,7 @@ class EagleProposer(Proposer):
         head, n = self.head, 4
         end = max(n, min(max_model_len, _WARM_POSITIONS) - k)
         positions = torch.arange(end - n, end, device=device)
-        hidden = torch.zeros(n, head.hidden_size, device=device, dtype=dtype)
+        hidden = torch.zeros(n, head.input_size, device=device, dtype=dtype)
         x, keys, values = head.cache_entries(hidden, torch.zeros_like(positions), positions)
         cache = DraftCache(keys, head.num_kv_heads, head.head_dim)
         cache.write(end - n, x, keys, values)

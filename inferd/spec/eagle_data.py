@@ -207,7 +207,8 @@ def generate_sequences(
 
 @dataclass(slots=True)
 class HiddenStates:
-    """Per sequence: its tokens [T] and the target's hidden states [T, H] (fp32, CPU)."""
+    """Per sequence: its tokens [T] and the target's hidden states [T, H] (CPU), or [T, H * (1 + n)]
+    with the outputs of n captured layers after the final hidden state (`target_hidden_states`)."""
 
     tokens: list[torch.Tensor]
     hidden: list[torch.Tensor]
@@ -215,10 +216,14 @@ class HiddenStates:
 
 @torch.inference_mode()
 def target_hidden_states(
-    model: torch.nn.Module, sequences: list[list[int]], max_batch_tokens: int = 2048
+    model: torch.nn.Module,
+    sequences: list[list[int]],
+    max_batch_tokens: int = 2048,
+    capture_layers: tuple[int, ...] = (),
 ) -> HiddenStates:
     """Run the target over each whole sequence (several per forward, each a prefill with no earlier
-    context) and keep its hidden states after the final norm, as the engine's forward returns."""
+    context) and keep its hidden states after the final norm, as the engine's forward returns,
+    followed by the outputs of `capture_layers` (ascending) when given."""
     cfg = model.config
     device = model.norm.weight.device
     block = 16
@@ -249,7 +254,14 @@ def target_hidden_states(
                                  prefills=slices)  # fmt: skip
         flat = torch.tensor([x for s in batch for x in s], device=device)
         pos = torch.cat([torch.arange(len(s), device=device) for s in batch])
-        hidden = model(flat, pos, caches, meta).float().cpu()
+        model.capture_layers = capture_layers
+        try:
+            hidden = model(flat, pos, caches, meta)
+            if capture_layers:
+                hidden = torch.cat([hidden, *model.captured], dim=-1)
+        finally:
+            model.capture_layers, model.captured = (), []
+        hidden = hidden.float().cpu()
         for s, sl in zip(batch, slices):
             out_tokens.append(torch.tensor(s))
             out_hidden.append(hidden[sl.start : sl.end].clone())

@@ -211,6 +211,7 @@ class EagleHead(nn.Module):
         rms_norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
         target: dict[str, Any] | None = None,
+        feature_layers: tuple[int, ...] | list[int] = (),
     ) -> None:
         super().__init__()
         if (hidden_size <= 0 or vocab_size <= 0 or num_heads <= 0 or num_kv_heads <= 0
@@ -224,10 +225,19 @@ class EagleHead(nn.Module):
         self.head_dim = hidden_size // num_heads
         self.intermediate_size, self.rms_norm_eps, self.rope_theta = inter, rms_norm_eps, rope_theta
         self.target_info = dict(target or {})
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        if list(self.feature_layers) != sorted(set(self.feature_layers)) or any(i < 0 for i in self.feature_layers):
+            raise ValueError(f"feature layers must be distinct, ascending and >= 0: {feature_layers}")
         d, kv = self.head_dim, num_kv_heads * self.head_dim
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.embed_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        if self.feature_layers:
+            # EAGLE-3's extra features: the outputs of lower target layers (each RMS-normalised),
+            # projected and added to the final hidden state wherever the head reads the target's.
+            # Zero at init: the head starts as the one without them.
+            self.feature_fc = nn.Linear(len(self.feature_layers) * hidden_size, hidden_size, bias=False)
+            nn.init.zeros_(self.feature_fc.weight)
         self.attn_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.qkv = nn.Linear(hidden_size, num_heads * d + 2 * kv, bias=False)
         self.o_proj = nn.Linear(num_heads * d, hidden_size, bias=False)
@@ -277,6 +287,7 @@ class EagleHead(nn.Module):
             "intermediate_size": self.intermediate_size,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
+            "feature_layers": list(self.feature_layers),
             "target": self.target_info,
         }
 
@@ -285,6 +296,9 @@ class EagleHead(nn.Module):
         head was trained for."""
         if self.target_info:
             check_target(self.target_info, target)
+        if self.feature_layers and self.feature_layers[-1] >= target.config.num_layers:
+            raise ValueError(f"draft head reads target layers {list(self.feature_layers)}; the target "
+                             f"model has {target.config.num_layers}")  # fmt: skip
         self.__dict__["_target"] = target
         self.__dict__["_fused"] = None
         return self
@@ -381,6 +395,24 @@ class EagleHead(nn.Module):
         self.__dict__["_kernels"] = ext
         self.__dict__["_fused"] = None
         return self
+
+    @property
+    def input_size(self) -> int:
+        """Width of the target rows the head reads: the final hidden state, then each feature
+        layer's output (`LlamaForCausalLM.captured`), H each."""
+        return self.hidden_size * (1 + len(self.feature_layers))
+
+    def target_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's view [..., H] of the target's rows [..., input_size]: the final hidden state,
+        plus the projected feature layers' outputs when the head reads them."""
+        if not self.feature_layers:
+            return rows
+        h, n = self.hidden_size, len(self.feature_layers)
+        dtype = self.out_norm.weight.dtype
+        extra = rows[..., h:].unflatten(-1, (n, h)).to(dtype)
+        # The residual stream's scale grows with depth (|x| ~ 10-100 in the default model).
+        extra = extra * torch.rsqrt(extra.pow(2).mean(-1, keepdim=True) + self.rms_norm_eps)
+        return rows[..., :h].to(dtype) + self.feature_fc(extra.flatten(-2))
 
     # ---- the layer's pieces (any leading shape) ----------------------------------------------
     def inputs(
@@ -530,6 +562,7 @@ class EagleHead(nn.Module):
         features the engine's chains compute: training and the offline acceptance both use it."""
         if int(lengths.min()) < 2:
             raise ValueError("every sequence needs at least 2 tokens")
+        hidden = self.target_features(hidden)
         b, t1 = hidden.shape[0], hidden.shape[1] - 1
         pos = torch.arange(t1, device=hidden.device)
         positions = pos.expand(b, t1)
@@ -580,11 +613,12 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def cache_entries(
         self,
-        hidden: torch.Tensor,  # [N, H] the target's hidden states at `positions`
+        hidden: torch.Tensor,  # [N, input_size] the target's rows at `positions`
         next_tokens: torch.Tensor,  # [N] the token after each position
         positions: torch.Tensor,  # [N]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x [N, H], keys [N, KVH, D], values [N, KVH, D]) of true positions, for DraftCache."""
+        hidden = self.target_features(hidden)
         fused = self._fused_weights()
         if fused is not None and hidden.dim() == 2 and hidden.dtype == torch.float32:
             top = int(positions.max()) + 1 if len(positions) else 1
@@ -812,7 +846,7 @@ class EagleHead(nn.Module):
         try:
             sizes = [cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads",
                                       "intermediate_size", "rms_norm_eps", "rope_theta")]  # fmt: skip
-            head = cls(*sizes, target=cfg.get("target"))
+            head = cls(*sizes, target=cfg.get("target"), feature_layers=cfg.get("feature_layers", ()))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{cfg_path}: incomplete draft head config ({e})") from e
         check_target(head.target_info, target_model, str(root))

@@ -77,8 +77,10 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 @dataclass(slots=True)
 class SeqData:
-    """The training sequences: tokens [T], the target's hidden states [T, H], its greedy token
-    after each position [T], and where each prompt ends."""
+    """The training sequences: tokens [T], the target's rows [T, H] (or [T, H * (1 + n)] with the
+    head's feature layers after the final hidden state; kept in their stored dtype, fp16 from the
+    data cache, and made fp32 a batch at a time), its greedy token after each position [T], and
+    where each prompt ends."""
 
     tokens: list[torch.Tensor]
     hidden: list[torch.Tensor]
@@ -127,8 +129,9 @@ def prepare(
     if not keep:
         raise ValueError("no sequence has 2 tokens")
     lm_bf16 = lm_weight.bfloat16() if autocast_dtype(precision, lm_weight.device) else None
-    return SeqData([data.tokens[i] for i in keep], [data.hidden[i].float() for i in keep],
-                   [greedy_tokens(data.hidden[i], lm_weight, lm_bf16=lm_bf16) for i in keep],
+    h = lm_weight.shape[1]  # the final hidden state: the rows' first H values
+    return SeqData([data.tokens[i] for i in keep], [data.hidden[i] for i in keep],
+                   [greedy_tokens(data.hidden[i][:, :h], lm_weight, lm_bf16=lm_bf16) for i in keep],
                    [prompt_lens[i] for i in keep])  # fmt: skip
 
 
@@ -151,20 +154,24 @@ def head_loss(
     opts: TrainOptions,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    clean = pad_batch([data.hidden[i] for i in idx])
+    clean = pad_batch([data.hidden[i] for i in idx]).float()
     hidden = clean
     tokens = pad_batch([data.tokens[i] for i in idx])
     greedy = pad_batch([data.greedy[i] for i in idx])
     lengths = torch.tensor([len(data.tokens[i]) for i in idx])
     prompt = torch.tensor([data.prompt_lens[i] for i in idx])
+    h = head.hidden_size
     if opts.noise > 0:
-        u = torch.rand(hidden.shape, generator=generator) * 2 - 1
-        hidden = hidden + u * (opts.noise * hidden.std())
+        # Each H-wide part (the final hidden state, each feature layer's) by its own spread.
+        parts = hidden.unflatten(-1, (-1, h))
+        u = torch.rand(parts.shape, generator=generator) * 2 - 1
+        spread = parts.transpose(0, 2).flatten(1).std(dim=1)  # [parts]
+        hidden = (parts + u * (opts.noise * spread[:, None])).flatten(-2)
     feats = head.forward_levels(hidden, tokens, lengths, opts.unroll, embed_fn)
     t1 = hidden.shape[1] - 1
     pos = torch.arange(t1)
     labels = greedy[:, 1:]
-    target = clean[:, 1:]  # noise-free targets
+    target = clean[:, 1:, :h]  # noise-free final hidden states
     if vocab_map is not None:
         labels = vocab_map[labels]
     total = hidden.new_zeros(())

@@ -72,6 +72,10 @@ class EagleRecipe:
     draft_vocab_size: int = draft_vocab.DEFAULT_SIZE  # tokens greedy drafting scores; 0: all
     data_cache: bool = True  # keep the generated data (step 1-2) on disk for the next run
     init: str | None = None  # a saved head to continue training from (its sizes win)
+    # Target layers whose outputs the head reads beside the final hidden state (EAGLE-3's
+    # low/middle features); None: `default_feature_layers`, () for none.
+    feature_layers: tuple[int, ...] | None = None
+    data_only: bool = False  # generate and cache the data, then stop
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -79,6 +83,11 @@ class EagleRecipe:
 def default_out_dir(model_name: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-") or "model"
     return cache_dir() / "eagle" / slug
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice beside the last layer: a low one (the third) and the middle one."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2}))
 
 
 def _log(msg: str) -> None:
@@ -100,6 +109,8 @@ def _data_key(recipe: EagleRecipe, source: str, extra: list | None = None) -> st
     """Everything that shapes the generated data (not the training options but the seed)."""
     fields = [source, recipe.quantization, recipe.num_prompts, recipe.eval_prompts, recipe.max_tokens,
               recipe.sample_fraction, recipe.sample_temperature, recipe.train.seed, "v2"] + (extra or [])  # fmt: skip
+    if recipe.feature_layers:  # (a key without them stays what it was)
+        fields.append(["layers", *recipe.feature_layers])
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
@@ -144,8 +155,8 @@ def _distill_instructions(recipe: EagleRecipe, llm, source: str, times: dict[str
     times["generate_s"] = time.perf_counter() - t0
     _log(f"generated {sum(map(len, train_seqs)) - sum(train_lens)} response tokens in {times['generate_s']:.0f} s")
     t0 = time.perf_counter()
-    train_states = target_hidden_states(model, train_seqs)
-    eval_states = target_hidden_states(model, eval_seqs)
+    train_states = target_hidden_states(model, train_seqs, capture_layers=recipe.feature_layers)
+    eval_states = target_hidden_states(model, eval_seqs, capture_layers=recipe.feature_layers)
     times["hidden_states_s"] = time.perf_counter() - t0
     _log(f"hidden states of {sum(map(len, train_seqs + eval_seqs))} positions in {times['hidden_states_s']:.0f} s")
     # fp16 keeps the data cache small (the values are normed, |h| of order 1-10).
@@ -178,7 +189,7 @@ def _distill_questions(recipe: EagleRecipe, llm, source: str, times: dict[str, f
         return HiddenStates([], []), []
     seqs, lens = generate_sequences(llm, questions, recipe.max_tokens, [0.0] * len(questions),
                                     recipe.train.seed, progress=recipe.progress)  # fmt: skip
-    states = target_hidden_states(model, seqs)
+    states = target_hidden_states(model, seqs, capture_layers=recipe.feature_layers)
     states = HiddenStates(states.tokens, [h.half() for h in states.hidden])
     times["questions_s"] = time.perf_counter() - t0
     if recipe.data_cache:
@@ -198,7 +209,11 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     loaded = load_model(recipe.model, quantization=recipe.quantization, verbose=False)
     name = DEFAULT_MODEL_NAME if recipe.model is None else Path(loaded.source).stem
     out = Path(recipe.out) if recipe.out else default_out_dir(name)
+    if recipe.feature_layers is None:
+        recipe.feature_layers = default_feature_layers(loaded.config.num_layers)
     data, served = distill(recipe, loaded, times)
+    if recipe.data_only:
+        return {"data_only": True, "seconds": {k: round(v, 1) for k, v in times.items()}}
 
     t0 = time.perf_counter()
     # fp32 (the file's blocks dequantized): the embedding and LM head the training reads.
@@ -210,12 +225,22 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     if recipe.init:
         # Continue from a saved head (another loss, more epochs): its sizes and weights, the
         # directory and the target checked as the engine checks them.
+        # A head without feature layers may go on as one with them (theirs start at zero).
         saved = EagleHead.load(recipe.init, fp32)
-        head = EagleHead.for_target(fp32, intermediate_size=saved.intermediate_size)
-        head.load_state_dict(load_file(str(Path(recipe.init).expanduser() / WEIGHTS_FILE)))
+        if saved.feature_layers and saved.feature_layers != recipe.feature_layers:
+            raise ValueError(f"{recipe.init} reads target layers {list(saved.feature_layers)}, the "
+                             f"recipe's data {list(recipe.feature_layers)}: pass --feature-layers "
+                             f"{','.join(map(str, saved.feature_layers))}")  # fmt: skip
+        head = EagleHead.for_target(fp32, intermediate_size=saved.intermediate_size,
+                                    feature_layers=recipe.feature_layers)  # fmt: skip
+        state = load_file(str(Path(recipe.init).expanduser() / WEIGHTS_FILE))
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"feature_fc.weight"}:
+            raise ValueError(f"{recipe.init}: weights do not fit the head ({missing}, {unexpected})")
         _log(f"continuing from {recipe.init}")
     else:
-        head = EagleHead.for_target(fp32, intermediate_size=recipe.intermediate_size)
+        head = EagleHead.for_target(fp32, intermediate_size=recipe.intermediate_size,
+                                    feature_layers=recipe.feature_layers)  # fmt: skip
     _log(f"training a {head.num_parameters() / 1e6:.2f} M-parameter head on {len(seqs.tokens)} "
          f"sequences ({seqs.num_positions} positions)")  # fmt: skip
     losses = train_head(head, seqs, fp32.embed_tokens, lm_weight, recipe.train, _log)
@@ -264,6 +289,14 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     return report
 
 
+def _parse_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+
+
 def main(argv: list[str] | None = None) -> None:
     r, t = EagleRecipe(), TrainOptions()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -283,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init", default=None,
                    help="a saved head directory to continue training from (e.g. with another "
                         "--ce-weight or more epochs); --intermediate-size is then its own")  # fmt: skip
+    p.add_argument("--feature-layers", default=None,
+                   help="comma-separated target layers whose outputs the head reads beside the final "
+                        "hidden state (default: the third and the middle one); 'none' for none")  # fmt: skip
+    p.add_argument("--data-only", action="store_true", help="generate and cache the data, then stop")
     p.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
                    help="frequent tokens greedy drafting scores (FR-Spec); 0: the whole vocabulary")
     p.add_argument("--epochs", type=float, default=t.epochs)
@@ -313,9 +350,12 @@ def main(argv: list[str] | None = None) -> None:
                          sample_temperature=a.sample_temperature,
                          intermediate_size=a.intermediate_size,
                          draft_vocab_size=a.draft_vocab_size, data_cache=not a.no_data_cache,
-                         init=a.init,
-                         progress=True, train=opts)  # fmt: skip
+                         init=a.init, feature_layers=_parse_layers(a.feature_layers),
+                         data_only=a.data_only, progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
+    if recipe.data_only:
+        print(json.dumps(report))
+        return
     acc = report["acceptance"]
     secs = report["seconds"]
     print(f"saved {report['out']} ({report['size_bytes'] / 2**20:.1f} MiB, "
