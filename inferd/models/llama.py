@@ -151,17 +151,11 @@ class LlamaForCausalLM(nn.Module):
                 and x.dtype == torch.float32 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
                 and x.shape[0] <= self._fused_max_rows(kg.kernel)):  # fmt: skip
-            if not self.capture_layers:
-                return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta))
-            # One fused call per run of layers between the captured ones.
-            captured, start = [], 0
-            for end in (*(i + 1 for i in self.capture_layers), len(self.layers)):
-                if end > start:
-                    x = self._decode_layers(kg.kernel, x, rope, kv_caches, meta, start, end)
-                captured.append(x)
-                start = end
-            self.captured = captured[:-1]
-            return self.norm(x)
+            captured = None
+            if self.capture_layers:  # rows the C++ step copies out as it passes those layers
+                captured = x.new_empty((len(self.capture_layers), *x.shape))
+                self.captured = list(captured.unbind(0))
+            return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta, captured))
         captured = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer.forward(x, rope, kv, meta)
@@ -186,10 +180,10 @@ class LlamaForCausalLM(nn.Module):
             self._fused_rows = ext.dense_gemm_max_rows if dense else 1 << 62
         return self._fused_rows
 
-    def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata, start: int = 0,
-                       end: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Layers [start, end) (default: all) in one C++ call (csrc/decoder_layers.h) for a
-        kernel-group-only step."""
+    def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata,
+                       captured: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Every layer in one C++ call (csrc/decoder_layers.h) for a kernel-group-only step; the
+        outputs of `capture_layers` copied into `captured` when given."""
         if self._fused_layers is None:
             linear = functools.partial(kernel_linear_weights, ext)
             self._fused_layers = [
@@ -203,7 +197,6 @@ class LlamaForCausalLM(nn.Module):
         cfg, attn, kg = self.config, self.layers[0].self_attn, meta.kernel_group
         shape = ext.DecoderShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                  cfg.rms_norm_eps, attn.scale, formats.int8_activations_default(ext))  # fmt: skip
-        layers, kv_caches = self._fused_layers[start:end], kv_caches[start:end]
         first = kv_caches[0][0]
         if isinstance(first, QuantizedKV):  # codes and scales: quantized in C++ as kv_cache.py does
             quant = ext.QuantizedCaches([kv[0].scale for kv in kv_caches], [kv[1].scale for kv in kv_caches],
@@ -213,9 +206,10 @@ class LlamaForCausalLM(nn.Module):
             quant = ext.QuantizedCaches([], [], 0, 0.0)
             k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
         return ext.decode_layers(
-            x, layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
+            x, self._fused_layers, k_caches, v_caches, rope[0], rope[1], meta.slot_mapping,
             kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape, quant,
-            meta.mirror_rows, meta.mirror_slots,
+            meta.mirror_rows, meta.mirror_slots, list(self.capture_layers) if captured is not None else [],
+            captured,
         )  # fmt: skip
 
     def weights_repacked(self) -> None:

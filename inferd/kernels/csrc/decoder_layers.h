@@ -132,7 +132,9 @@ inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scal
   }
 }
 
-// x [T, hidden] through every layer; the attention metadata is the step's kernel group.
+// x [T, hidden] through every layer; the attention metadata is the step's kernel group. With
+// `capture` (ascending layer indices), each of those layers' output rows is copied into
+// captured[j] ([len(capture), T, hidden]): a draft head's extra features (EAGLE-3).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<torch::Tensor>& k_caches,
                             const std::vector<torch::Tensor>& v_caches, const torch::Tensor& cos,
@@ -141,7 +143,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
                             const Shape& s, const QuantizedCaches& quant,
                             const std::optional<torch::Tensor>& mirror_rows,
-                            const std::optional<torch::Tensor>& mirror_slots) {
+                            const std::optional<torch::Tensor>& mirror_slots,
+                            const std::vector<int64_t>& capture,
+                            const std::optional<torch::Tensor>& captured) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
               "decode_layers: one K and one V cache per layer");
   const bool quantized = !quant.k_scales.empty();
@@ -150,12 +154,22 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
   // The residual add of each block is fused with the norm after it (exact adds: the same bits as
   // LlamaDecoderLayer's `x + ...` followed by the norm).
+  TORCH_CHECK(capture.empty() || (captured.has_value() && captured->size(0) == static_cast<int64_t>(capture.size())),
+              "decode_layers: one captured row block per captured layer");
   if (layers.empty()) return x;
+  size_t next_capture = 0;  // capture[next_capture]: the next layer whose output is kept
+  auto keep_output_of = [&](size_t layer) {
+    if (next_capture < capture.size() && capture[next_capture] == static_cast<int64_t>(layer))
+      (*captured)[static_cast<int64_t>(next_capture++)].copy_(x);
+  };
   torch::Tensor h = layer_ops::rms_norm(x, layers[0].input_norm, s.eps);
   torch::Tensor pending;  // the last MLP output, not yet added to x
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
-    if (pending.defined()) std::tie(x, h) = layer_ops::add_rms_norm(x, pending, l.input_norm, s.eps);
+    if (pending.defined()) {
+      std::tie(x, h) = layer_ops::add_rms_norm(x, pending, l.input_norm, s.eps);
+      keep_output_of(i - 1);
+    }
     // LlamaAttention.forward
     torch::Tensor qkv = linear(l.qkv, h, s);
     std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
@@ -192,6 +206,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     pending = linear(l.down, layer_ops::silu_mul(linear(l.gate_up, h, s)), s);
   }
   if (pending.defined()) x = x + pending;
+  keep_output_of(layers.size() - 1);
+  TORCH_CHECK(next_capture == capture.size(), "decode_layers: captured layers must be ascending and exist");
   return x;
 }
 
