@@ -104,18 +104,20 @@ def test_batched_drafts_equal_one_cache_at_a_time(target, tmp_path, inference) -
         torch.testing.assert_close(logits[i], alone_logits[0], rtol=1e-4, atol=1e-4)
 
 
-def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path) -> None:
+@pytest.mark.parametrize("features", [(), (0, 1)])
+def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path, features) -> None:
     """`load` swaps in the engine's kernels (fp32: the same drafts; int4 linears: features within
-    int4 rounding) and drops nothing: every weight still takes part."""
+    int4 rounding) and drops nothing: every weight still takes part (the feature layers' too, and
+    their C++ norm)."""
     from inferd.layers.quantized_linear import QuantizedLinear
 
-    head = _trained_like(target, seed=4, intermediate_size=64)
+    head = _trained_like(target, seed=4, intermediate_size=64, feature_layers=features)
     path = head.save(tmp_path / "head")
     plain = EagleHead.load(path, target)
     int4 = EagleHead.load(path, target, quantize=True)
     assert isinstance(int4.gate_up, QuantizedLinear) and not isinstance(plain.gate_up, QuantizedLinear)
     seqs = _sequences(3, 20, target.config.vocab_size, seed=5)
-    states = target_hidden_states(target, seqs)
+    states = target_hidden_states(target, seqs, capture_layers=features)
     for h, toks in zip(states.hidden, states.tokens):
         want = head.draft([_cache_upto(head, h, toks, 15)], 3, return_logits=True)
         got = plain.draft([_cache_upto(plain, h, toks, 15)], 3, return_logits=True)
