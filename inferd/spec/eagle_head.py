@@ -14,6 +14,10 @@ target's final hidden state mostly encodes its next token; the attention gives t
 context it needs for the tokens after that (without it, the same recipe reached a mean acceptance
 length of 1.6 on held-out chat, see README).
 
+With `feature_layers` (EAGLE-3's low and middle features), wherever the head reads the target's
+h_t it reads h_t + feature_fc([rms(l_t) for each such layer's output l_t]) instead
+(`target_features`); the engine's target captures those rows in its forward.
+
 The head borrows the target's embedding (`target.embed_tokens`) and LM head
 (`target.compute_logits`); neither is saved with it. `out_norm` starts as a copy of the target's
 final norm: the target's hidden states (which `LlamaForCausalLM.forward` returns after that norm)
