@@ -524,6 +524,20 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
         train_eagle(bad)
 
 
+def test_recipe_rejects_feature_layers_the_target_lacks_before_generating(tiny_llama_hf, tmp_path, capsys) -> None:
+    from inferd.spec.train_eagle import EagleRecipe, main, train_eagle
+
+    n = _target(tiny_llama_hf.path).config.num_layers
+    recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), feature_layers=(0, n),
+                         data_cache=False)  # fmt: skip
+    with pytest.raises(ValueError, match=f"reads target layers \\[0, {n}\\]"):
+        train_eagle(recipe)
+    assert recipe.feature_layers == (0, n) and not (tmp_path / "head").exists()
+    with pytest.raises(SystemExit):
+        main(["--feature-layers", "2,x"])
+    assert "not comma-separated layer numbers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("activations", ["default", "fp32"])
 @pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
 def test_the_cpp_chain_drafts_what_the_python_chain_does(

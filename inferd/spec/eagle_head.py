@@ -145,6 +145,15 @@ def check_target(saved: dict[str, Any], target: nn.Module, where: str = "") -> N
                              f"cosine {cos:.3f})")  # fmt: skip
 
 
+def check_feature_layers(layers: tuple[int, ...], num_layers: int) -> None:
+    """ValueError unless `layers` (a head's feature layers) are distinct, ascending layers of a
+    target with `num_layers` layers."""
+    if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+        raise ValueError(f"feature layers must be distinct, ascending and >= 0: {list(layers)}")
+    if layers and layers[-1] >= num_layers:
+        raise ValueError(f"draft head reads target layers {list(layers)}; the target model has {num_layers}")
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, half-split layout ([x1, x2] -> [x1·c - x2·s, x2·c + x1·s]), in plain
     differentiable ops (training runs through it). cos, sin: [..., D/2], broadcast over heads."""
@@ -230,8 +239,7 @@ class EagleHead(nn.Module):
         self.intermediate_size, self.rms_norm_eps, self.rope_theta = inter, rms_norm_eps, rope_theta
         self.target_info = dict(target or {})
         self.feature_layers = tuple(int(i) for i in feature_layers)
-        if list(self.feature_layers) != sorted(set(self.feature_layers)) or any(i < 0 for i in self.feature_layers):
-            raise ValueError(f"feature layers must be distinct, ascending and >= 0: {feature_layers}")
+        check_feature_layers(self.feature_layers, 1 << 62)  # the target's count: checked by `bind`
         d, kv = self.head_dim, num_kv_heads * self.head_dim
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.embed_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
@@ -300,9 +308,7 @@ class EagleHead(nn.Module):
         head was trained for."""
         if self.target_info:
             check_target(self.target_info, target)
-        if self.feature_layers and self.feature_layers[-1] >= target.config.num_layers:
-            raise ValueError(f"draft head reads target layers {list(self.feature_layers)}; the target "
-                             f"model has {target.config.num_layers}")  # fmt: skip
+        check_feature_layers(self.feature_layers, target.config.num_layers)
         self.__dict__["_target"] = target
         self.__dict__["_fused"] = None
         return self

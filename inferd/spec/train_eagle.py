@@ -26,7 +26,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ from inferd.spec.eagle_data import (
     self_instruct,
     target_hidden_states,
 )
-from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead
+from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead, check_feature_layers
 from inferd.spec.eagle_train_core import (
     PRECISIONS,
     TrainOptions,
@@ -210,7 +210,9 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     name = DEFAULT_MODEL_NAME if recipe.model is None else Path(loaded.source).stem
     out = Path(recipe.out) if recipe.out else default_out_dir(name)
     if recipe.feature_layers is None:
-        recipe.feature_layers = default_feature_layers(loaded.config.num_layers)
+        recipe = replace(recipe, feature_layers=default_feature_layers(loaded.config.num_layers))
+    # Before the hour of generation, not after it.
+    check_feature_layers(recipe.feature_layers, loaded.config.num_layers)
     data, served = distill(recipe, loaded, times)
     if recipe.data_only:
         return {"data_only": True, "seconds": {k: round(v, 1) for k, v in times.items()}}
@@ -289,12 +291,14 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     return report
 
 
-def _parse_layers(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
+def _parse_layers(text: str) -> tuple[int, ...]:
+    """`--feature-layers`: "2,15" (any order) or "none"."""
     if text.strip().lower() == "none":
         return ()
-    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated layer numbers: {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init", default=None,
                    help="a saved head directory to continue training from (e.g. with another "
                         "--ce-weight or more epochs); --intermediate-size is then its own")  # fmt: skip
-    p.add_argument("--feature-layers", default=None,
+    p.add_argument("--feature-layers", default=None, type=_parse_layers,
                    help="comma-separated target layers whose outputs the head reads beside the final "
                         "hidden state (default: the third and the middle one); 'none' for none")  # fmt: skip
     p.add_argument("--data-only", action="store_true", help="generate and cache the data, then stop")
@@ -350,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
                          sample_temperature=a.sample_temperature,
                          intermediate_size=a.intermediate_size,
                          draft_vocab_size=a.draft_vocab_size, data_cache=not a.no_data_cache,
-                         init=a.init, feature_layers=_parse_layers(a.feature_layers),
+                         init=a.init, feature_layers=a.feature_layers,
                          data_only=a.data_only, progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     if recipe.data_only:
