@@ -241,6 +241,32 @@ def test_a_few_training_steps_lower_the_loss(target) -> None:
     assert sum(losses[-4:]) / 4 < 0.7 * losses[0], losses
 
 
+def test_loss_weights_the_regression_and_the_cross_entropy_as_asked(target) -> None:
+    """The loss is, over the unrolled levels (weighted step_decay ** level), reg_weight times the
+    feature regression plus ce_weight times the cross-entropy: reg_weight 0 leaves the
+    cross-entropy alone (EAGLE-3's loss for a last stage)."""
+    from inferd.spec.eagle_train_core import head_loss
+
+    seqs = _sequences(4, 24, target.config.vocab_size)
+    lm_weight = target.lm_head.weight.detach()
+    data = prepare(target_hidden_states(target, seqs), [4] * 4, lm_weight, "float32")
+    torch.manual_seed(1)
+    head = EagleHead.for_target(target, intermediate_size=64)
+
+    def loss(**weights) -> tuple[float, dict[str, float]]:
+        opts = TrainOptions(unroll=2, noise=0.0, ce_rows=1.0, full_vocab_ce=True, **weights)
+        total, stats = head_loss(head, data, [0, 1, 2, 3], target.embed_tokens, lm_weight, None, opts)
+        return total.item(), stats
+
+    levels = [1.0, 0.8]  # step_decay ** level
+    ce_only, stats = loss(reg_weight=0.0, ce_weight=1.0)
+    ce = sum(w * stats[f"ce{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
+    reg = sum(w * stats[f"reg{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
+    assert ce_only == pytest.approx(ce, rel=1e-5)
+    assert loss(reg_weight=1.0, ce_weight=0.0)[0] == pytest.approx(reg, rel=1e-5)
+    assert loss(reg_weight=2.0, ce_weight=0.5)[0] == pytest.approx(2.0 * reg + 0.5 * ce, rel=1e-5)
+
+
 def test_bf16_training_tracks_fp32(target) -> None:
     """`precision="bfloat16"` runs the forward's matmuls in bf16: the same head and batches give
     losses that differ by bf16 rounding only (so they did run in bf16), and it learns as well."""

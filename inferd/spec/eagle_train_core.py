@@ -36,6 +36,8 @@ class TrainOptions:
     lr: float = 2e-3  # 1e-3 for 2 epochs: 1.68 at k = 3; 2e-3 for 4 epochs: 1.86 (templates only)
     weight_decay: float = 0.1
     ce_weight: float = 0.1  # EAGLE's: the feature regression generalises better than the CE
+    # The feature regression's weight; 0: cross-entropy alone (EAGLE-3's loss), for a last stage.
+    reg_weight: float = 1.0
     step_decay: float = 0.8
     noise: float = 0.1  # uniform noise on the input hidden state, times its std (EAGLE's 0.1)
     full_vocab_ce: bool = False
@@ -189,7 +191,7 @@ def head_loss(
         logits = f @ lm_weight.T
         ce = F.cross_entropy(logits, lab)
         w = opts.step_decay**level
-        total = total + w * (reg + opts.ce_weight * ce)
+        total = total + w * (opts.reg_weight * reg + opts.ce_weight * ce)
         weight_sum += w
         stats[f"acc{level + 1}"] = (logits.argmax(-1) == lab).float().mean().item()
         stats[f"ce{level + 1}"] = ce.item()

@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unroll", type=int, default=t.unroll)
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--ce-weight", type=float, default=t.ce_weight)
+    p.add_argument("--reg-weight", type=float, default=t.reg_weight,
+                   help="the feature regression's weight (0: cross-entropy alone)")
     p.add_argument("--noise", type=float, default=t.noise)
     p.add_argument("--ce-rows", type=float, default=t.ce_rows, help="share of rows the cross-entropy reads")
     p.add_argument("--full-vocab-ce", action="store_true")
@@ -345,8 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     opts = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, unroll=a.unroll, lr=a.lr,
-                        ce_weight=a.ce_weight, noise=a.noise, full_vocab_ce=a.full_vocab_ce, ce_rows=a.ce_rows,
-                        precision=a.precision, seed=a.seed)  # fmt: skip
+                        ce_weight=a.ce_weight, reg_weight=a.reg_weight, noise=a.noise,
+                        full_vocab_ce=a.full_vocab_ce, ce_rows=a.ce_rows, precision=a.precision,
+                        seed=a.seed)  # fmt: skip
     recipe = EagleRecipe(model=a.model, out=a.out, quantization=a.quantization,
                          num_prompts=a.num_prompts, num_questions=a.num_questions,
                          eval_prompts=a.eval_prompts,
