@@ -258,7 +258,7 @@ def test_loss_weights_the_regression_and_the_cross_entropy_as_asked(target) -> N
         total, stats = head_loss(head, data, [0, 1, 2, 3], target.embed_tokens, lm_weight, None, opts)
         return total.item(), stats
 
-    levels = [1.0, 0.8]  # step_decay ** level
+    levels = [TrainOptions().step_decay**j for j in range(2)]  # each unrolled level's weight
     ce_only, stats = loss(reg_weight=0.0, ce_weight=1.0)
     ce = sum(w * stats[f"ce{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
     reg = sum(w * stats[f"reg{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
