@@ -640,3 +640,14 @@ def _check_cpp_chain(model_path, tmp_path) -> None:
             rows = a.end - a.lo + fused.shape[1] - 1  # the true rows and the chain's own keys
             assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])
             assert torch.equal(a.x_last, b.x_last)
+
+
+def test_the_data_cache_key_follows_the_data_seed_not_the_training_seed() -> None:
+    """Retraining with another `--seed` reuses the cached data (an hour to make for the default
+    model); another `--data-seed` makes new data."""
+    from inferd.spec.train_eagle import EagleRecipe, _data_key
+
+    base = _data_key(EagleRecipe(), "model.gguf")
+    assert _data_key(EagleRecipe(train=TrainOptions(seed=7)), "model.gguf") == base
+    assert _data_key(EagleRecipe(data_seed=7), "model.gguf") != base
+    assert _data_key(EagleRecipe(num_prompts=7), "model.gguf") != base

@@ -76,6 +76,10 @@ class EagleRecipe:
     # low/middle features); None: `default_feature_layers`, () for none.
     feature_layers: tuple[int, ...] | None = None
     data_only: bool = False  # generate and cache the data, then stop
+    # The generated data's seed (which instructions, the sampled answers, the self-instruct
+    # questions), apart from the training's (`train.seed`), so that retraining with another
+    # seed reuses the cached data instead of spending an hour making it again.
+    data_seed: int = 0
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -106,9 +110,9 @@ class Distilled:
 
 
 def _data_key(recipe: EagleRecipe, source: str, extra: list | None = None) -> str:
-    """Everything that shapes the generated data (not the training options but the seed)."""
+    """Everything that shapes the generated data (not the training options)."""
     fields = [source, recipe.quantization, recipe.num_prompts, recipe.eval_prompts, recipe.max_tokens,
-              recipe.sample_fraction, recipe.sample_temperature, recipe.train.seed, "v2"] + (extra or [])  # fmt: skip
+              recipe.sample_fraction, recipe.sample_temperature, recipe.data_seed, "v2"] + (extra or [])  # fmt: skip
     if recipe.feature_layers:  # (a key without them stays what it was)
         fields.append(["layers", *recipe.feature_layers])
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
@@ -120,7 +124,7 @@ def distill(recipe: EagleRecipe, loaded, times: dict[str, float]) -> tuple[Disti
     from inferd import LLM
 
     llm = LLM(loaded=loaded, quantization=recipe.quantization, max_num_seqs=128,
-              kv_cache_memory=recipe.kv_cache_memory, seed=recipe.train.seed,
+              kv_cache_memory=recipe.kv_cache_memory, seed=recipe.data_seed,
               verbose=False)  # fmt: skip
     model = llm.engine.runner.model
     data = _distill_instructions(recipe, llm, loaded.source, times)
@@ -142,14 +146,14 @@ def _distill_instructions(recipe: EagleRecipe, llm, source: str, times: dict[str
         return Distilled(HiddenStates(saved["train_tokens"], saved["train_hidden"]), saved["train_prompt_lens"],
                          HiddenStates(saved["eval_tokens"], saved["eval_hidden"]), saved["eval_prompt_lens"])  # fmt: skip
     t0 = time.perf_counter()
-    train_prompts = instructions("train", recipe.num_prompts, recipe.train.seed)
-    eval_prompts = instructions("eval", recipe.eval_prompts, recipe.train.seed)
+    train_prompts = instructions("train", recipe.num_prompts, recipe.data_seed)
+    eval_prompts = instructions("eval", recipe.eval_prompts, recipe.data_seed)
     n_sampled = round(recipe.num_prompts * recipe.sample_fraction)
     temps = [recipe.sample_temperature] * n_sampled + [0.0] * (recipe.num_prompts - n_sampled)
     _log(f"generating {len(train_prompts)} + {len(eval_prompts)} responses "
          f"(<= {recipe.max_tokens} tokens)")  # fmt: skip
     train_seqs, train_lens = generate_sequences(llm, train_prompts, recipe.max_tokens, temps,
-                                                recipe.train.seed, progress=recipe.progress)  # fmt: skip
+                                                recipe.data_seed, progress=recipe.progress)  # fmt: skip
     eval_seqs, eval_lens = generate_sequences(llm, eval_prompts, recipe.max_tokens,
                                               [0.0] * len(eval_prompts))  # fmt: skip
     times["generate_s"] = time.perf_counter() - t0
@@ -182,13 +186,13 @@ def _distill_questions(recipe: EagleRecipe, llm, source: str, times: dict[str, f
         _log(f"questions from {path}")
         return HiddenStates(saved["tokens"], saved["hidden"]), saved["prompt_lens"]
     t0 = time.perf_counter()
-    held_out = list(CHAT_TASKS) + instructions("eval", recipe.eval_prompts, recipe.train.seed)
-    questions = self_instruct(llm, recipe.num_questions, held_out, recipe.train.seed)
+    held_out = list(CHAT_TASKS) + instructions("eval", recipe.eval_prompts, recipe.data_seed)
+    questions = self_instruct(llm, recipe.num_questions, held_out, recipe.data_seed)
     _log(f"the target wrote {len(questions)} usable questions; answering them")
     if not questions:  # a model that writes no usable question (tiny random ones)
         return HiddenStates([], []), []
     seqs, lens = generate_sequences(llm, questions, recipe.max_tokens, [0.0] * len(questions),
-                                    recipe.train.seed, progress=recipe.progress)  # fmt: skip
+                                    recipe.data_seed, progress=recipe.progress)  # fmt: skip
     states = target_hidden_states(model, seqs, capture_layers=recipe.feature_layers)
     states = HiddenStates(states.tokens, [h.half() for h in states.hidden])
     times["questions_s"] = time.perf_counter() - t0
@@ -279,6 +283,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
         "train_sequences": len(seqs.tokens),
         "train_questions": data.num_questions,  # self-instruct ones among them
         "eval_prompts": len(data.eval.tokens),
+        "data_seed": recipe.data_seed,
         "options": asdict(recipe.train),
         # what `precision` resolved to on this machine
         "training_matmuls": precision_name(autocast_dtype(recipe.train.precision, head.out_norm.weight.device)),
@@ -339,7 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default=t.precision, choices=PRECISIONS,
                    help="the training matmuls' precision: auto = bf16 (autocast, fp32 weights) where "
                         "the CPU or GPU computes bf16 natively, else fp32")  # fmt: skip
-    p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--seed", type=int, default=t.seed,
+                   help="the training's seed (initial weights, batch order, noise); the data cache stays")
+    p.add_argument("--data-seed", type=int, default=r.data_seed,
+                   help="the generated data's seed (instructions, sampled answers, questions): new data")
     p.add_argument("--no-data-cache", action="store_true",
                    help="generate the data afresh and do not keep it")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                          intermediate_size=a.intermediate_size,
                          draft_vocab_size=a.draft_vocab_size, data_cache=not a.no_data_cache,
                          init=a.init, feature_layers=a.feature_layers,
-                         data_only=a.data_only, progress=True, train=opts)  # fmt: skip
+                         data_only=a.data_only, data_seed=a.data_seed, progress=True, train=opts)  # fmt: skip
     report = train_eagle(recipe)
     if recipe.data_only:
         print(json.dumps(report))
