@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from dataclasses import dataclass
 
 from inferd.engine_args import add_engine_args, engine_config_from_args
+from inferd.logging_setup import configure_logging
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -247,12 +247,6 @@ def _process_start_time() -> float:
 
 
 _MODULE_IMPORTED = time.time()
-
-
-def configure_logging(level: int | str) -> None:
-    """The log format of every inferd process (the engine process of `serve` calls it too)."""
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -299,7 +299,7 @@ def serve_engine(
     stream_interval: int = 1,
 ) -> None:
     """The engine process's main: build the engine, then run its loop until told to stop."""
-    from inferd.cli import configure_logging
+    from inferd.logging_setup import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
     configure_logging(log_level)
