@@ -1,11 +1,10 @@
 // fp32 x [M, K] · W [N, K]^T for a batch of rows too many for dense_gemv.h and too few for
 // MKL to be efficient: a decode step of 9-64 sequences (the server's concurrent requests).
 //
-// Why not at::linear: with 32 rows, MKL's sgemm reached ~140 GFLOP/s on this machine's 2 cores,
-// under half its own large-matrix rate, on the default model's layers (each weight matrix read
-// once per step, 538 MB in all). Why not dense_gemv.h's dot products (lanes along k): with many
-// rows, every x row comes back from L2 for every few weight rows, and L2 bandwidth bounds it
-// (~70 GFLOP/s a core).
+// Why not at::linear: with 32 rows, MKL's sgemm runs at under half its own large-matrix rate on
+// the default model's layers (each weight matrix read once per step, 538 MB in all). Why not
+// dense_gemv.h's dot products (lanes along k): with many rows, every x row comes back from L2 for
+// every few weight rows, and L2 bandwidth bounds it (~70 GFLOP/s a core).
 //
 // Here the lanes run along the rows instead: x is transposed once per call into xt [K][Mp] (Mp:
 // M padded to whole vectors, ~70-200 KB, L2-resident), and each weight w[n, k] is broadcast against

@@ -1,19 +1,17 @@
 // fp32 x [M, K] · W [N, K]^T for a few rows (a decode step's batch, a few verified drafts): the
 // weights streamed once from memory for all M rows.
 //
-// Why not at::linear: at 4-8 rows MKL's sgemm streamed the default model's 538 MB of fp32
-// weights at ~10-13 GB/s (30 layers of distinct weights: 49 / 58 ms per pass at 4 / 8 rows, against
-// 29 / 31 ms here; a batch-8 fp32 decode step went from 63-68 ms to 38-48).
+// Why not at::linear: at 4-8 rows MKL's sgemm streams the weights well below the memory's read
+// rate (a GEMM blocked for reuse, where a decode step's few rows have almost none), and a decode
+// step is that stream: the default model's 538 MB of fp32 weights, each read once.
 //
 // Each thread walks its own contiguous range of output rows one weight row at a time, so its reads
-// are a single sequential stream, which the hardware prefetcher follows at the full read rate
-// (the default model's rows are short, 576 floats: reading several rows side by side, as this
-// kernel did before, made several streams 2.3 KB apart and ran ~10-15 % slower, even with software
-// prefetches). The rows of x (at most 8 x 6 KB) stay in L1; a weight row is read from memory for the
-// first block of x rows and from L1 for the others. Streaming the default model's 538 MB (every
-// layer's weights and the LM head, each read once), runs alternated with the earlier kernel (30
-// Nov): 1.15-1.3x as fast at 1 row, 1.15-1.5x at 3, 1.03-1.26x at 4, 1.15x at 6, 0.9-1.0x at 8,
-// where both are bound by the FMAs.
+// are a single sequential stream, which the hardware prefetcher follows at the full read rate.
+// The default model's rows are short (576 floats): reading several weight rows side by side would
+// make several streams 2.3 KB apart, which the prefetcher follows less well even with software
+// prefetches. The rows of x (at most 8 x 6 KB) stay in L1; a weight row is read from memory for the
+// first block of x rows and from L1 for the others. At 8 rows the pass is bound by the FMAs rather
+// than the stream.
 //
 // Numerics: each (row, output) is a dot product in one fixed order: two 16-lane accumulators over
 // the 32-float pieces of k (lanes 0-15 and 16-31), then the 16-float piece left if any, added
@@ -41,22 +39,18 @@ namespace dense {
 constexpr int64_t kMaxRows = 8;
 // How far ahead of the row being read the weights are prefetched (4 KB, into the next rows of the
 // thread's range): with 8 rows of x the loop's FMAs leave the stream too few loads in flight, and
-// without it an 8-row pass ran ~2x slower; at one row it is worth ~5 %.
+// the hardware prefetcher alone does not keep up; at one row the prefetch matters little.
 // The hint is the CPU's (stream_prefetch.h). Each weight is read once a step, and a decode step
-// streams the whole model (538 MB in fp32) through the caches. Fetched as T0 on an AMD EPYC, the
-// stream evicted everything else from the shared L3 every step: the step's own Python, the KV
-// cache, the draft head's weights and caches (7 MB). Non-temporally (on AMD's victim L3: lines
-// that bypass it), those stayed: batch-1 fp32 decode, chat prompts, alternated in one process,
-// 88.0 against 82.5 tok/s; the eagle head's proposing 0.42 ms against 0.82, its speedup 1.50x
-// against 1.40x. AMD's default now fetches a pass of several x rows into L2 instead
-// (stream_prefetch.h's kL2Rows): its x rows then keep L1.
+// streams the whole model (538 MB in fp32) through the caches: fetched as T0 on a CPU with a
+// shared victim L3 (AMD EPYC), the stream evicts everything else the step reuses (its own Python,
+// the KV cache, a draft head's weights and caches, 7 MB); non-temporal lines bypass that L3, so
+// those stay. A pass of several x rows goes into L2 instead (stream_prefetch.h's kL2Rows), so
+// its x rows keep L1.
 constexpr int64_t kPrefetchFloats = 1024;
-// Four rows (a verification of 3 drafts) prefetch twice as far ahead (8 KB): with AMD's L2 hint
-// each line must arrive from memory while 4 rows of FMAs run over the lines before it, and at
-// 1,024 floats it came too late. The default model's 4-row fused step, alternated in one process
-// with the distance the only change (Zen 4 EPYC, 3 Dec, session 32; chat prompts, fp32, medians of
-// ~860 steps): 512 / 1,024 / 1,536 / 2,048 / 3,072 / 4,096 floats took 20.6 / 17.2-18.1 /
-// 15.6 / 14.9-16.2 / 16.0 / 15.7 ms, against 13.5-14.7 ms for the 1-row step.
+// Four rows (a verification of 3 drafts) prefetch twice as far ahead (2,048 floats, 8 KB): with
+// the L2 hint each line must arrive from memory while 4 rows of FMAs run over the lines before it;
+// 1,024 floats ahead is too late for that. On a Zen 4 EPYC the 4-row pass stops stalling from
+// about 1,536 floats ahead and gains nothing further out; 2,048 sits inside that range.
 constexpr int64_t kPrefetchFloats4 = 2048;
 template <int MB>
 constexpr int64_t prefetch_floats() { return MB == 4 ? kPrefetchFloats4 : kPrefetchFloats; }
@@ -102,8 +96,7 @@ inline float hsum8(__m256 acc) {
 // about the shuffles and adds one row's take.
 // Why: with 4 rows of x a weight row's 18 chunks cost ~90 cycles of loads and FMAs, and reducing
 // its 4 dot products one at a time (each a chain of dependent shuffles and adds) ~40 more; that
-// time added to the step rather than hiding under the weights' stream (in a fast memory phase a
-// 4-row pass of the default model took 1.27x a 1-row pass, 1.20x with this).
+// time adds to the step rather than hiding under the weights' stream.
 inline void hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
   // [a0+a4 .. a3+a7, b0+b4 .. b3+b7], the same for c, d
   const __m256 ab =
@@ -209,19 +202,17 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, cons
     return y;
   }
   // 3 (or 7) rows run as 4 (8), the last a row of zeros: one pass over each weight row instead
-  // of 2 + 1 (4 + 2 + 1). With the weights streamed in a fast memory phase, 3 rows took
-  // 1.43-1.47x a 1-row pass, against 1.19-1.22x for 4 (k = 2 against k = 3 drafts verified); as
-  // 4 they take ~1.2x. A row's bits do not depend on the rows beside it, so padding changes none.
+  // of 2 + 1 (4 + 2 + 1), so verifying 2 drafts costs no more than verifying 3. A row's bits do
+  // not depend on the rows beside it, so padding changes none.
   const bool pad = kRowBlock >= 4 && M % 4 == 3;
   const int64_t rows = pad ? M + 1 : M;
-  // Rows of x 1,536 floats apart (the default model's down projection, every x row in L1 beside
-  // the weight stream) ran 1.11-1.12x slower at 4 rows than the same rows 128 or more floats
-  // further apart, 1.03-1.04x a 1-row pass (256 floats apart or fewer: no change; 576-float rows
-  // unaffected); the model's whole 4-row pass was 1.17x a 1-row one in a fast phase, a third of
-  // it this matrix's. Measured only; no counters here to say which cache structure conflicts.
+  // Long rows of x (K >= 1,024, e.g. the default model's 1,536-float down projection input) are
+  // copied kRowGapFloats apart: rows exactly K floats apart, all in L1 beside the weight stream,
+  // make a few-row pass markedly slower than the same rows set further apart (a cache-set
+  // conflict, by its symptoms; short rows such as 576 floats are unaffected).
   const int64_t stride = M >= 2 && K >= 1024 ? K + kRowGapFloats : K;
-  std::unique_ptr<float[]> buf;  // the copied rows, 64-byte aligned like a tensor's (a row
-  if (pad || stride != K) {      // of vector loads across two cache lines each ran 1.3x slower)
+  std::unique_ptr<float[]> buf;  // the copied rows, 64-byte aligned like a tensor's (vector
+  if (pad || stride != K) {      // loads that straddle two cache lines are slower)
     buf.reset(new float[static_cast<size_t>(rows * stride + 16)]);
     float* copy = buf.get() + ((16 - (reinterpret_cast<uintptr_t>(buf.get()) / 4) % 16) % 16);
     for (int64_t m = 0; m < M; ++m) std::copy(xp + m * ldx, xp + m * ldx + K, copy + m * stride);

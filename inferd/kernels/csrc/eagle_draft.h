@@ -2,12 +2,11 @@
 // the head's layer, its attention over each sequence's own cache, the draft vocabulary's scores
 // and the next input, k times.
 //
-// Why: a k = 3 chain ran ~100 ATen calls from Python, right after the target's forward had swept
-// every cache; in the engine it took 0.74 ms of a 9-12 ms fp32 step against 0.46 ms warm (the
-// interpreter's own state comes back from memory too), and speculation's own time is what its
-// speedup loses. Why op for op: the same kernels in the same order as the Python chain (the
-// tiles' int8-activation matmuls, paged attention, layer_ops.h, argmax_rows) give the same bits,
-// so drafts never depend on the path; tests/test_eagle_head.py checks it.
+// Why: a k = 3 chain is ~100 ATen calls from Python, run right after the target's forward has
+// swept every cache, so the interpreter's own state comes back from memory too; speculation's own
+// time is what its speedup loses. Why op for op: the same kernels in the same order as the Python
+// chain (the tiles' int8-activation matmuls, paged attention, layer_ops.h, argmax_rows) give the
+// same bits, so drafts never depend on the path; tests/test_eagle_head.py checks it.
 #pragma once
 
 #include <torch/extension.h>
@@ -48,10 +47,9 @@ struct HeadWeights {
 // index) replaced by the exact score, the feature against the target's fp32 LM head row of that
 // token (`exact` [V, H], `ids` [V'] the token of each entry), by the fp32 matrix-vector kernel's
 // own dot (dense_gemv.h: the same bits as the target's logits). Why: int4 rounding moves a score
-// by up to ~1.7 (the default model's head), enough to swap close tokens; on the bench's chat
-// prompts the offline acceptance length went 1.749 -> 1.781 (k = 3, first 96 tokens), held-out
-// instructions 2.065 -> 2.087, for a few rows of 2.3 KB a step. Rows whose max is not finite are
-// left as they are.
+// by up to ~1.7 (the default model's head), enough to swap close tokens and so to draft a token
+// the target would not pick; rescoring costs a few rows of 2.3 KB a step and lengthens the
+// accepted runs. Rows whose max is not finite are left as they are.
 inline void rescore_close(const torch::Tensor& scores, const torch::Tensor& feature, const torch::Tensor& ids,
                           const torch::Tensor& exact, double within, int64_t max_candidates) {
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == torch::kFloat32 && scores.stride(1) == 1 &&
@@ -173,8 +171,8 @@ inline bool chains_settled(const torch::Tensor& p, int64_t depth, int64_t k, std
 }
 
 // A ranked chain's alternatives at each depth (EagleHead.ALTERNATIVES): the runner-up and the
-// third likeliest token. Offline (k = 3, chat prompts' first 96 tokens) the thirds took 1.781 to
-// 1.793 tokens per verification, held-out instructions 2.087 to 2.102, in the same k rows.
+// third likeliest token. A tree that may also branch on the third accepts slightly more tokens per
+// verification than one branching on runners-up only, for the same k rows.
 constexpr int64_t kAlternatives = 2;
 
 // x [B, H]: each chain's first input (DraftCache.x_last); pos [B] int64: its position. k_bufs /

@@ -6,8 +6,8 @@
 //   q4 (w = s·qw + m, qw 0..15):       Σ_k w_k x_k ≈ s·d · Σ qw_k q_k + m · d · Σ q_k
 // The min term takes the sum of the *rounded* x (llama.cpp's Q8_1 `s`), not the exact one: then
 // the error is Σ w_k δ_k over weights of mean ~0, where the exact sum would leave Σ (w_k - m) δ_k
-// over weights all of one sign (default model, Q4_1, 2,048 tokens, every matmul on int8
-// activations: perplexity +0.30% against fp32 activations, +0.81% with the exact sum).
+// over weights all of one sign (on the default model's Q4_1 weights, with every matmul on int8
+// activations, the exact sum more than doubles the perplexity cost of int8 activations).
 // With AVX512-VNNI (+VL) a block is one `vpdpbusd` (u8 × s8 → int32, no int16 saturation);
 // with AVX2 it is `vpmaddubsw` + `vpmaddwd`. maddubs multiplies unsigned by signed, so signed
 // int8 weights use the sign trick: |qw| · (q with qw's sign). Its int16 pair sums stay in range:
@@ -157,8 +157,8 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// A single core's hardware prefetcher alone left the 28 MB Q8_0 head streaming at ~1/4 of what
-// an fp32 GEMV reads: ask for the rows a few ahead explicitly.
+// A single core's hardware prefetcher alone streams the 28 MB Q8_0 head at about a quarter of an
+// fp32 GEMV's read rate: the rows a few ahead are asked for explicitly.
 constexpr int64_t kPrefetchRows = 16;
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -414,11 +414,10 @@ void pack_tiles(const Fmt& f, int64_t N, int64_t nb, __m512i* w, S* ws, S* wm, P
 
 // How far ahead of the block being read a streamed weight's tiles are prefetched, non-temporally:
 // a decode step streams every weight once (the default model's ~100 MB as int4 tiles), and
-// through the caches as usual the stream evicted everything else from the shared L3 each step
+// through the caches as usual the stream evicts everything else from the shared L3 each step
 // (the engine's Python, the KV cache, the activations). With the hint it bypasses AMD's victim
-// L3. Chat prompts at batch 1, `-q auto`, the hint switched at run time in one process: 372
-// against 347 tok/s (against 362 with a T0 prefetch); 32 x (128, 128) offline: 1,923 against
-// 1,788 total tok/s. A weight that is not streamed (`PackedTiles::stream`: a draft head's, 7 MB
+// L3, which speeds up both batch-1 decode and batched offline throughput (the hint is the CPU's:
+// stream_prefetch.h). A weight that is not streamed (`PackedTiles::stream`: a draft head's, 7 MB
 // read k times a step) keeps the plain loads, and so its place in L3.
 constexpr int64_t kTilePrefetchBytes = 4096;
 

@@ -1,5 +1,5 @@
 // The decoder layer's elementwise work on fp32 CPU rows, one loop per op: RMSNorm, rotary
-// embedding, SiLU(gate) · up. ATen ran them as ~20 small kernels per layer (RMSNorm alone is a
+// embedding, SiLU(gate) · up. ATen runs them as ~20 small kernels per layer (RMSNorm alone is a
 // 7-op composite on the CPU), ~2-3 µs of dispatch each, about a fifth of a batch-1 decode step.
 // Both the Python layers (inferd/layers, inferd/models/llama.py) and the fused decode step
 // (decoder_layers.h) call these, so both paths give the same bits; each row is computed by the
@@ -108,7 +108,7 @@ inline void narrow_row(const float* src, c10::BFloat16* dst, int64_t n) {
 // cache [N, block_size, H, D] fp32, fp16 or bf16: the fp32 rows of `rows` [T, H, D] (each row's
 // H·D values contiguous) written to flat slots `slots` [T] (index_copy_ without the dispatch);
 // with `which` [S] (int64), rows[which[i]] to slots[i] (a draft-tree leaf's mirrored keys,
-// without an index_select's copy: two of those per layer were ~0.15 ms of a decode step).
+// without an index_select's copy: two of those per layer cost ~0.15 ms of a decode step).
 inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows,
                        const torch::Tensor* which = nullptr) {
   const int64_t n = rows.size(1) * rows.size(2);
@@ -141,7 +141,7 @@ inline void write_rows(const torch::Tensor& cache, const torch::Tensor& slots, c
 // data [L, 2, N, block_size, ...] contiguous, any dtype (a KV pool or its scales): in every
 // (layer, K/V), the row at flat slot src[i] (N · block_size slots) copied to slot dst[i], all read
 // before any is written (as `data[:, :, dst] = data[:, :, src]`). Why: right after a decode step
-// ATen's gather-then-scatter took ~90 us a call in the engine (a draft-tree leaf's scratch block
+// ATen's gather-then-scatter costs ~90 µs a call on cold rows (a draft-tree leaf's scratch block
 // repeating the keys before it in its block, up to 15 slots of 60 rows of 768 bytes each for the
 // default model; an accepted leaf's row into the sequence's block), in nearly every k = 3 step.
 inline void copy_slots(const torch::Tensor& data, const torch::Tensor& src, const torch::Tensor& dst) {
@@ -160,7 +160,7 @@ inline void copy_slots(const torch::Tensor& data, const torch::Tensor& src, cons
   // Each (layer, K/V) on its own (its sources all read before its destinations are written:
   // slots never move across layers), the layers split between the threads, and every line
   // prefetched first: the rows are scattered over the pool and cold, and their misses overlap
-  // instead of following one another: ~30 us in the engine, 81 in one thread without prefetching.
+  // instead of following one another.
   at::parallel_for(0, outer, 8, [&](int64_t o0, int64_t o1) {
     std::vector<uint8_t> rows(static_cast<size_t>(t * row));
     for (int64_t o = o0; o < o1; ++o) {

@@ -52,8 +52,8 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
 }
 
 // A row's cache lines requested ahead of use: one head's rows are strided (a slot holds every kv
-// head), and one core's hardware prefetcher alone read a 2,048-key context at ~6 GB/s, 2.4x
-// slower than the same rows already in cache.
+// head), and one core's hardware prefetcher alone reads a long context at well under half the
+// rate of the same rows already in cache.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
@@ -160,9 +160,10 @@ struct Slots {
 
 // Keys per split: a context longer than this is attended in pieces of it by separate tasks, each
 // with its own running max and sum, merged exactly afterwards (flash-decoding's split-K). At batch
-// 1 one task per kv head left one of two cores idle a third of the time (3 heads) and a 2,048-token
-// decode step ~1.6x slower than llama.cpp's. The pieces are fixed by key position, so a
-// sequence's result never depends on the batch, the thread count or its other query rows.
+// 1 one task per kv head would leave cores idle (the default model's 3 kv heads on 2 cores: one
+// idle a third of the time) on the long contexts where attention is most of the step. The pieces
+// are fixed by key position, so a sequence's result never depends on the batch, the thread count
+// or its other query rows.
 constexpr int64_t kSplitKeys = 256;
 
 #ifdef __AVX512F__

@@ -1,9 +1,9 @@
 // Causal attention of a prefill chunk (many query rows of one sequence) on the CPU, head size 64.
 //
 // Why not ATen's CPU flash attention: its blocks multiply through MKL's sgemm, which on an AVX-512
-// EPYC takes a generic path; a 512-token prefill of the default model spent 117 ms of 416 (fp32)
-// and of ~300 (the GGUF's int8 weights) in it, ~77 GFLOP/s. Here the small products are register-
-// tiled FMA loops on cache-resident blocks.
+// EPYC takes a generic path (well under 100 GFLOP/s), which makes attention over a quarter of a
+// 512-token prefill of the default model. Here the small products are register-tiled FMA loops on
+// cache-resident blocks.
 //
 // Flash-attention's scheme: one task per (kv head, block of query rows) holds the G query heads
 // that share the kv head, pre-scaled, as R <= 64 rows; key blocks of kBK keys are transposed once

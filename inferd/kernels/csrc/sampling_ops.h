@@ -126,9 +126,9 @@ inline int64_t first_equal(const float* v, int64_t lo, int64_t hi, float value) 
 // Each row's next `n_alt` likeliest indices after `best` (its argmax_rows): the first index of
 // the largest value other than those already picked, then the next, [T, n_alt], and the softmax
 // probabilities of best and of each [T, 1 + n_alt] (a draft tree ranks its nodes by them). A
-// pass per pick and one for the softmax's sum, no allocation: over ATen's ops (a clone, a scatter,
-// logsumexp) they were ~70 us a draft step, a fifth of a draft chain. A row holding a NaN or +inf
-// gets probabilities 0; a row too narrow for a pick repeats `best` there, at probability 0.
+// pass per pick and one for the softmax's sum, no allocation: ATen's ops for it (a clone, a
+// scatter, logsumexp) cost ~70 µs a draft step, a fifth of a draft chain. A row holding a NaN or
+// +inf gets probabilities 0; a row too narrow for a pick repeats `best` there, at probability 0.
 // (layer_ops' exp clamps below -87: those terms add ~1e-38.)
 inline std::tuple<torch::Tensor, torch::Tensor> runner_ups(const torch::Tensor& scores, const torch::Tensor& best,
                                                            int64_t n_alt) {
@@ -247,9 +247,8 @@ inline bool nucleus_of_peaked_row(const float* l, int64_t v, float m, double p, 
 // bits of their fp32 exp(l - max) (exponent and 5 mantissa bits: ~3 %-wide bins, ordered as the
 // values are, hence as the logits): the bins above the one where the running mass reaches top_p
 // are kept whole, and only that one's tokens are sorted and walked. Reusing ev (no second exp),
-// binning by bits and finding the kept tokens by vector compares: 32 rows of 49k logits from
-// word-salad prompts (T 0.8, top-p 0.95, nuclei of 16-1,000 tokens) took 2.9-4.2 ms against
-// 5.4-7.3 with the logit-distance histogram the top-k path uses.
+// binning by bits and finding the kept tokens by vector compares make this about half the cost of
+// the logit-distance histogram the top-k path uses, on flat rows.
 constexpr int kValueShift = 18;  // fp32 bits >> 18: sign 0, 8 exponent bits, 5 mantissa bits
 constexpr int kValueBins = 1 << (31 - kValueShift);
 
@@ -420,8 +419,8 @@ inline torch::Tensor top_k_top_p(const torch::Tensor& logits, const torch::Tenso
 // One token per row of probs [T, V] (>= 0, unnormalised) for u [T] uniform in [0, 1): the first
 // index whose running sum (fp64, in index order) exceeds u · total, the inverse CDF. The total is
 // summed in the same order, so the walk always ends inside the row, and a token of probability 0
-// is never drawn. One random number per row: exponential-race sampling drew one per token, and
-// PyTorch's CPU exponential_ took 1.4 ms for a 49k row, 38 ms for 32 (a decode step's worth).
+// is never drawn. One random number per row: exponential-race sampling draws one per token, and
+// PyTorch's CPU exponential_ costs 1.4 ms for a 49k row, 38 ms for 32 (a decode step's worth).
 inline torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& u) {
   TORCH_CHECK(probs.dim() == 2 && probs.size(1) > 0, "sample_rows: probs [T, V] expected");
   const int64_t t = probs.size(0), v = probs.size(1);

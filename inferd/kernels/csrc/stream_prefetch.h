@@ -7,22 +7,16 @@
 //   non-temporally (as kNta: one-row decodes, the packed tiles).
 //   Why: the rows of x a few-row pass reads for every weight row (up to 4 x 6.5 KB for the default
 //   model's down projection) then stay in L1, the weights reach it from L2 by plain loads, and
-//   the stream's lookahead no longer competes with them for L1's 32 KB. On a Zen 4 EPYC
-//   (AVX512-BF16, 32 MB L3, 2 vCPUs; 2 Dec, session 27), the default model's fp32 weights
-//   streamed by dense_linear, the hints alternated in one process: 4 rows took 1.01-1.18x a
-//   1-row pass into L2 against 1.25-1.40x non-temporally; the engine's start-up calibration put
-//   2 / 3 verified drafts at 0.08-0.15 / 0.13-0.15 of a plain step with kL2Rows (0.28-0.32 with
-//   kL2) against 0.41-0.43 / 0.53-0.57 with kNta. The one-row decode and the tiles keep kNta: into L2 their figures did not move
-//   beyond this machine's noise (+-15 % between rounds), and kNta keeps the stream out of L3.
+//   the stream's lookahead no longer competes with them for L1's 32 KB; on a Zen 4 EPYC this is
+//   what makes verifying a few drafts cost a small fraction of a plain step. One-row decodes and
+//   the tiles gain nothing from L2, and kNta keeps their stream out of L3.
 // - kL2: every streamed weight into L2.
-// - kNta: non-temporal. On AMD's victim L3 the lines bypass it, so a 538 MB fp32 stream no
-//   longer evicts what the step reuses (the KV cache, a draft head); see dense::kPrefetchFloats
-//   for the figures. AMD's default before kL2Rows: at 4 rows of x its lines in L1 crowd them
-//   out.
-// - kT0 (everyone else's default) / kOff: on an Intel Xeon (Emerald Rapids, 260 MB shared L3,
-//   2 vCPUs; 2 Dec, batch 1, alternated in one process) NTA held the fp32 decode to 16.7 tok/s
-//   against 31.7 with T0 (30.6 with no prefetch), and the GGUF's int4 tiles to 104 against 161
-//   (122). The L2 hints were not measured there.
+// - kNta: non-temporal. On AMD's victim L3 the lines bypass it, so a 538 MB fp32 stream does not
+//   evict what the step reuses (the KV cache, a draft head); see dense::kPrefetchFloats. At 4
+//   rows of x its lines in L1 crowd those rows out, hence kL2Rows.
+// - kT0 (everyone else's default) / kOff: on an Intel Xeon (Emerald Rapids) the fp32 decode and
+//   the GGUF's int4 tiles run markedly slower with NTA than with T0, and T0 is also ahead of no
+//   prefetch at all.
 //
 // One process-wide setting (`set_stream_prefetch`), read on every prefetch: a branch the
 // predictor always gets right, next to a memory stream.
