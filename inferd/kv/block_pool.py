@@ -19,7 +19,7 @@ class BlockPool:
         # Freed blocks go to the front and are reused first; blocks never used wait at the back.
         # (Blocks the prefix cache holds are not on this list, so nothing reusable is lost.) On
         # the CPU the pool is a lazily zero-filled mapping: a block's first write page-faults
-        # (~2.3 ms per MB in this VM, 40 ms of a 512-token prefill), and its lines leave the
+        # (in a VM, milliseconds per MB: a large share of a prefill), and its lines leave the
         # caches the longer it sits free. Reusing the warm blocks keeps a server's touched memory
         # at its peak use instead of walking through the whole pool once.
         self._free: deque[int] = deque(range(num_blocks))

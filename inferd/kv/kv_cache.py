@@ -180,7 +180,7 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Flat slots `src` → `dst` in every layer, K and V (scales too)."""
         ext = _cpu_kernels() if self.data.is_cpu else None
-        if ext is not None:  # csrc/layer_ops.h: a few rows, where ATen's indexing took ~90 us
+        if ext is not None:  # csrc/layer_ops.h: a few rows, where ATen's indexing costs ~90 µs
             ext.copy_slots(self.data, src, dst)
             if self.scales is not None:
                 ext.copy_slots(self.scales, src, dst)

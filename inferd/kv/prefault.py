@@ -1,17 +1,17 @@
 """Fault the KV pool's pages in ahead of the block allocator, on CPU time nothing else wants.
 
 Why: a large CPU pool is a lazily zero-filled mapping (`allocate_kv_cache` in
-inferd/engine/model_runner.py), so the first write to each page faults. In this Firecracker VM that
-costs 0.2-2 ms per MB (the host backs guest memory on first touch too), and with prefix caching
+inferd/engine/model_runner.py), so the first write to each page faults. In a virtual machine that
+can cost 0.2-2 ms per MB (the host backs guest memory on first touch too), and with prefix caching
 finished sequences' blocks stay cached, so new requests keep writing to fresh blocks: the
-32 x (128 in, 128 out) throughput scenario writes ~750 MB of fresh KV. Offline, fp32, 2 threads:
-1,163 total tok/s with every page faulted in by the step that first wrote it, 1,261 with the first
-GiB of the pool faulted in beforehand (a 2,048-token chunk's K/V copy took 3 ms instead of 0.1).
+32 x (128 in, 128 out) throughput scenario writes ~750 MB of fresh KV, and a step that faults its
+pages in pays for them in its own time (a 2,048-token chunk's K/V copy is ~30x slower on fresh
+pages than on faulted ones).
 
 How: fresh blocks leave the pool in ascending id order (inferd/kv/block_pool.py), so the pages the
 engine writes next belong to the blocks just above the highest id handed out so far. Daemon
-threads at SCHED_IDLE priority (one per CPU, up to 4: faults on two CPUs went 2x as fast, 0.17
-against 0.33 ms per MB) keep `ahead_bytes` of those faulted in with madvise(MADV_POPULATE_WRITE).
+threads at SCHED_IDLE priority (one per CPU, up to 4: page faults proceed in parallel across
+CPUs) keep `ahead_bytes` of those faulted in with madvise(MADV_POPULATE_WRITE).
 That maps pages without writing to them: it is safe while the engine writes the same blocks, and
 memory keeps its contents (zero, or what the engine wrote). At
 SCHED_IDLE it runs only where a CPU would otherwise idle (while a server waits for requests,
@@ -56,10 +56,10 @@ _live: weakref.WeakSet[KVPrefaulter] = weakref.WeakSet()
 
 def _stop_all() -> None:
     """At interpreter exit, before finalization: stop every prefaulter and wait for its workers.
-    A worker holds its pool while it populates it; left running, one that then dropped the last
-    reference during finalization ran the tensor's deleter there, and its GIL acquisition aborted
-    the process ("terminate called without an active exception": a script that made and dropped
-    one engine, then made another, exited so ~1 time in 4)."""
+    A worker holds its pool while it populates it; left running, one that drops the last
+    reference during finalization runs the tensor's deleter there, and its GIL acquisition aborts
+    the process ("terminate called without an active exception", e.g. in a script that makes and
+    drops one engine, then makes another)."""
     for prefaulter in list(_live):
         prefaulter.stop()
 
