@@ -10,22 +10,22 @@ every tensor alike):
   high ones — GGUF's Q4_0/Q4_1 byte order, so those load by copying (Q4_0: min = -8 * scale).
 - "fp8": data uint8 [N, K] holding float8_e4m3fn bits; scales fp32 [N, K / group]; w = e4m3(q) * scale.
   Groups of 32 by default: E4M3's precision is relative, but a per-channel scale set by one large
-  weight pushes groups of small ones into its coarse subnormal range (measured on SmolLM2-135M:
-  perplexity +2.0% per-channel, +1.3% with groups of 32, fp32 head in both, absmax scales). Each
-  group's scale is the one of 16 candidates with the least rounding error (fp8_scales.py): +0.10%
-  over 20k tokens with groups of 32 and an int8 head, against +1.38% with absmax scales.
+  weight pushes groups of small ones into its coarse subnormal range (on SmolLM2-135M with absmax
+  scales, per-channel costs about half as much perplexity again as groups of 32). Each group's
+  scale is the one of 16 candidates with the least rounding error (fp8_scales.py), which brings
+  fp8's perplexity cost over fp32 to about 0.1% on the default model (groups of 32, int8 head).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from inferd import envs
 from inferd.quantization.fp8_scales import FP8_MAX, STEPS, group_scales
 
 FORMATS = ("int8", "int4", "fp8")
@@ -319,13 +319,12 @@ def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> tor
 # every call takes them: the kernels give a row the same bits alone or among any number of rows
 # (int8_dot.h), and that must hold end to end, because rounding to int8 turns a 1e-6 difference
 # upstream into int8-noise-sized ones (a row prefilled through the BLAS sgemm alone and through the
-# fused kernel in a batch differed by 7e-6 in fp32, then by 0.1 nats at the next token once
+# fused kernel in a batch can differ by ~1e-5 in fp32, then by 0.1 nats at the next token once
 # rounded). Prefill on the many-row integer tiles runs at about the sgemm's speed on the
 # dequantised weight. INFERD_INT8_ACTIVATIONS=1/0 forces them on/off; by default (None) they are on
 # where the kernels have those tiles (AVX512-VNNI): elsewhere prefill would run on the one-row
 # kernel, ~2x slower.
-_ENV_INT8 = os.environ.get("INFERD_INT8_ACTIVATIONS")
-INT8_ACTIVATIONS: bool | None = None if _ENV_INT8 in (None, "") else _ENV_INT8 != "0"
+INT8_ACTIVATIONS: bool | None = envs.INFERD_INT8_ACTIVATIONS
 
 
 @contextlib.contextmanager
@@ -388,7 +387,7 @@ def int8_activations_default(ext) -> bool:
 
 _NO_MINS = torch.empty(0)
 
-# Rows from which dequantise-once + BLAS sgemm beats the fused kernel (measured on AVX2 here).
+# Rows from which dequantise-once + BLAS sgemm beats the fused kernel (on an AVX2 CPU).
 DEQUANT_GEMM_MIN_ROWS = 32
 
 

@@ -9,7 +9,7 @@ Modes:
   every linear layer in that format. GGUF blocks that already are that format are kept as
   shipped; others are dequantised and re-quantised. The output head (and a tied embedding, which
   shares it) uses int8 in "int4" and "fp8" modes: logits are the most sensitive matmul (as in
-  llama.cpp); measured on SmolLM2-135M, an fp8 head alone costs ~3% perplexity, an int8 one ~0.5%.
+  llama.cpp); on SmolLM2-135M an fp8 head alone costs ~3% perplexity, an int8 one ~0.5%.
   fp8 runs a fused kernel too (E4M3 decoded in registers), not dequantise-then-matmul.
 """
 
