@@ -55,7 +55,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     if logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         ext = cpu_kernels()
         if ext is not None:  # sorts the nucleus only (csrc/sampling_ops.h); a full sort per row
-            # was 8 ms for one row of 49k logits, 170 ms for 32, more than a decode step
+            # costs 8 ms for one row of 49k logits, 170 ms for 32, more than a decode step
             return ext.top_k_top_p(logits, top_k.long().contiguous(), top_p.float().contiguous())
     return _filter_top_k_top_p_sorted(logits, top_k, top_p)
 
@@ -140,8 +140,8 @@ def draw(probs: torch.Tensor, seqs: list) -> torch.Tensor:
     """One token per row of `probs` [R, V] (unnormalized is fine), by inverse CDF: one uniform u
     per row, the first token whose cumulative probability exceeds u times the total. Each seeded
     row draws u from its sequence's own generator: reproducible whatever else is in the batch.
-    (Exponential-race sampling, argmax(p / E), drew V random numbers per row: PyTorch's CPU
-    `exponential_` took 38 ms for 32 rows of 49k, as long as the decode step.)"""
+    (Not exponential-race sampling, argmax(p / E): it draws V random numbers per row, and
+    PyTorch's CPU `exponential_` spends 38 ms on 32 rows of 49k, as long as the decode step.)"""
     u = torch.empty(len(seqs), dtype=torch.float64)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:
