@@ -1,9 +1,9 @@
 """Grammar compilation with llguidance: spec → a prototype matcher, cached by the spec's key.
 
-llguidance was chosen over xgrammar (measured on this CPU, see the issue notes): it refuses schema
-features it cannot enforce (`not`, `uniqueItems`, `if/then`) instead of silently ignoring them, has
-no dependency beyond itself, compiles a 30-field schema in ~2 ms (lexers are built lazily) and fills
-a mask in ~25 µs on average. Its parser limits bound the work of any single mask step, so a
+Why llguidance rather than xgrammar: it refuses schema features it cannot enforce (`not`,
+`uniqueItems`, `if/then`) instead of silently ignoring them, has no dependency beyond itself,
+compiles a 30-field schema in ~2 ms (lexers are built lazily) and fills a mask in ~25 µs on
+average. Its parser limits bound the work of any single mask step, so a
 pathological grammar errors out instead of stalling the engine.
 """
 
