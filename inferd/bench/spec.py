@@ -136,8 +136,8 @@ def run_spec(args: argparse.Namespace) -> dict:
             for label in labels:
                 times[label].append(0.0)
             # The configs take turns prompt by prompt (who goes first rotating), so that the pair
-            # behind a ratio ran seconds apart, not a whole run apart: this machine's speed moves
-            # by +-15 % within minutes.
+            # behind a ratio runs seconds apart, not a whole run apart: a shared machine's speed
+            # can move by ±15 % within minutes.
             for i, prompt in enumerate(prompts):
                 turn = (run * len(prompts) + i) % len(labels)
                 for label in labels[turn:] + labels[:turn]:
