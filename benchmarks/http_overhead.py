@@ -8,14 +8,14 @@ bench latency` builds it). Each round runs one request on each side while the ot
 order alternates), with the same prompt: offline, the mean time per output token after the
 first, from the engine's step stamps; through HTTP, the TPOT of one `inferd bench serve
 --concurrency 1` request, (end - first token) / (tokens - 1). Both are means, so their inverse
-is each side's decode tokens/s. The machine's speed drifts by tens of percent within minutes:
-only requests run side by side compare, so the result is the median of the per-round ratios
-(tokens/s through HTTP over tokens/s offline), with the ratio of the medians beside it.
+is each side's decode tokens/s. A shared machine's speed can drift by tens of percent within
+minutes: only requests run side by side compare, so the result is the median of the per-round
+ratios (tokens/s through HTTP over tokens/s offline), with the ratio of the medians beside it.
 Prints one JSON line.
 
-The bench client runs on this machine too. Left to the OS it sometimes landed on the CPU of the
-engine's main thread (bound there by `inferd serve`) and took ~0.2 ms of it per token; a remote
-client never would, so by default it is pinned to the last CPU, beside the server's front end.
+The bench client runs on the same machine. Left to the OS it can land on the CPU of the engine's
+main thread (bound there by `inferd serve`) and take ~0.2 ms of it per token; a remote client
+never would, so by default it is pinned to the last CPU, beside the server's front end.
 """
 
 from __future__ import annotations

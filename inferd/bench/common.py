@@ -20,7 +20,8 @@ def stats_ms(values: list[float]) -> dict[str, float | None]:
 def cpu_kernels_report() -> dict[str, bool | str]:
     """Whether inferd's CPU kernels are loaded, and the prefetch hint they stream weights with.
     Why: where they fail to build the engine runs the PyTorch path after one line on stderr, which
-    a bench's figures alone would hide (fp32 chat decode 15 against ~50 tok/s, session 27)."""
+    a bench's figures alone would hide (the PyTorch path decodes fp32 at a fraction of the
+    kernels' speed)."""
     from inferd.kernels.quant_gemm import extension, stream_prefetch_hint
 
     return {"cpu_kernels": extension() is not None, "stream_prefetch": stream_prefetch_hint()}

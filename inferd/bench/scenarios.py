@@ -62,7 +62,7 @@ class Scenario:
 
 def _rounded(field: str, value: float) -> float:
     """A reported figure: seconds to the microsecond (a tiny model's TTFT is under a millisecond
-    on a fast CPU: 3 decimals printed it as 0), the rest to 3 decimals."""
+    on a fast CPU: 3 decimals would print it as 0), the rest to 3 decimals."""
     return round(value, 6 if field.endswith("_s") else 3)
 
 
