@@ -50,12 +50,12 @@ def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> N
             assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
         assert p["ttft_ms"]["p99"] <= p["e2e_ms"]["p99"]
     # Every request its own prompt, across both points: none is served from the prefix cache
-    # (the second point once re-sent the first's prompts and measured cache hits, not prefill).
+    # (re-sending the first point's prompts would measure cache hits, not prefill).
     assert _prefix_hits(server) == hits0
 
 
 def test_runs_with_another_seed_send_other_prompts(server: RemoteServer, capsys) -> None:
-    """`--seed` n and n + 1 share no prompt (per-prompt seeds n + i once overlapped all but one)."""
+    """`--seed` n and n + 1 share no prompt (per-prompt seeds n + i would overlap all but one)."""
     hits0 = _prefix_hits(server)
     for seed in ("5", "6"):
         argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--seed", seed,
