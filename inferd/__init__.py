@@ -2,6 +2,8 @@
 
 import os
 
+from inferd import envs
+
 # Transparent huge pages for PyTorch's large CPU allocations (weights, the KV pool): a decode
 # step streams every weight once, and with 4 KiB pages the TLB misses cost ~6 % of a batch-32 fp32
 # step's matmuls here. PyTorch reads the variable at its first allocation, so it is set before
@@ -17,7 +19,7 @@ def _keep_freed_memory() -> None:
     took 14.9 ms instead of 2.7; a batch-32 `-q auto` decode step 41-47 ms instead of 53-60 (two
     alternations). Blocks under 32 MiB now come from the heap and freed memory stays there (what
     an inference server keeps at its peak anyway). INFERD_MALLOPT=0 leaves glibc as is."""
-    if os.environ.get("INFERD_MALLOPT", "1") == "0":
+    if not envs.INFERD_MALLOPT:
         return
     try:
         import ctypes

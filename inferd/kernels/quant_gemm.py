@@ -8,9 +8,9 @@ one line on stderr and callers use the PyTorch fallback.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
+from inferd import envs
 from inferd.kernels.build import cpu_vendor, load_extension
 
 # How the kernels prefetch the weights a step streams once (csrc/stream_prefetch.h): a property
@@ -26,10 +26,8 @@ STREAM_PREFETCH_HINTS = {"nta": 0, "t0": 1, "off": 2, "l2": 3, "l2-rows": 4}
 
 def stream_prefetch_hint() -> str:
     """The hint this process uses: the environment's, else the CPU vendor's default."""
-    env = os.environ.get("INFERD_STREAM_PREFETCH", "").strip().lower()
-    if env:
-        if env not in STREAM_PREFETCH_HINTS:
-            raise ValueError(f"INFERD_STREAM_PREFETCH={env!r}: expected one of {', '.join(STREAM_PREFETCH_HINTS)}")
+    env = envs.INFERD_STREAM_PREFETCH  # validated there against envs.STREAM_PREFETCH_CHOICES
+    if env is not None:
         return env
     return "l2-rows" if cpu_vendor() == "AuthenticAMD" else "t0"
 

@@ -16,15 +16,16 @@ off (at::linear then, as before).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from inferd import envs
 
 
 @functools.cache
 def available() -> bool:
     """oneDNN's packed linear is in this PyTorch build and agrees with at::linear (checked once)."""
-    if os.environ.get("INFERD_ONEDNN_LINEAR", "1") == "0":
+    if not envs.INFERD_ONEDNN_LINEAR:
         return False
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from inferd import envs
 from inferd.quantization.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def gather_weights(modules: Iterable[nn.Module]) -> int:
     INFERD_WEIGHT_ARENA=0, with nothing to move, or with too little free memory for the copy:
     peak memory is the model's twice over while it runs). Afterwards rebuild whatever captured
     the old tensors (a fused step's weight list)."""
-    if os.environ.get("INFERD_WEIGHT_ARENA", "1") == "0":
+    if not envs.INFERD_WEIGHT_ARENA:
         return 0
     slots = _slots(list(modules))
     offsets, total = [], 0

