@@ -549,9 +549,9 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     behind once requests end. With a feature layer (EAGLE-3), the rows the engine's steps
     capture from it (the fused decode step split there) are the offline forward's."""
     from inferd.spec.eagle import _MAX_PENDING
-    from inferd.spec.eagle_data import target_hidden_states
+    from inferd.train.eagle_data import target_hidden_states
     from inferd.spec.eagle_head import EagleHead
-    from inferd.spec.eagle_train_core import TrainOptions, prepare, train_head
+    from inferd.train.eagle_train_core import TrainOptions, prepare, train_head
 
     plain = _llm(tiny_llama_gguf.path)
     target = plain.engine.runner.model

@@ -22,6 +22,7 @@ import statistics
 import time
 
 from inferd.bench.common import cpu_kernels_report
+from inferd.chat_prompts import CHAT_TASKS
 from inferd.engine_args import parse_bytes
 
 PASSAGES = (
@@ -53,14 +54,6 @@ CODE_TASKS = tuple(
        f"code:\n\n{CODE[0]}",
        f"Add a method `decrement` to this class and return the whole class:\n\n{CODE[1]}"]
 )  # fmt: skip
-CHAT_TASKS = (
-    "What should I pack for a weekend hiking trip?",
-    "How do I make a good cup of tea?",
-    "Why is the sky blue?",
-    "Give me some ideas for a birthday party for a seven-year-old.",
-    "What is the difference between a virus and a bacterium?",
-    "How can I get better at remembering names?",
-)
 TASKS = {"rewrite": REWRITE_TASKS, "code": CODE_TASKS, "chat": CHAT_TASKS}
 
 
@@ -210,7 +203,7 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="draft depths to compare")
     p.add_argument("--draft-model", default=None, help="a draft model (GGUF / HF dir) sharing the tokenizer")
-    p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.spec.train_eagle)")
+    p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.train.train_eagle)")
     p.add_argument("--draft-topk", type=int, nargs="+", default=[1],
                    help="eagle: draft trees to compare (1: k rows, the chain or, greedy, "
                         "its likeliest nodes with runner-ups; t: t - 1 more leaves per depth)")

@@ -1,7 +1,7 @@
 """Train the EAGLE-style draft head for a target model by self-distillation, then measure its
 acceptance length on held-out chat prompts.
 
-    python -m inferd.spec.train_eagle [--model M] [--out DIR] [--num-prompts N] [--max-tokens M]
+    python -m inferd.train.train_eagle [--model M] [--out DIR] [--num-prompts N] [--max-tokens M]
                                       [--epochs E] ...
 
 1. the target (`inferd.LLM`, `--quantization auto` by default: the engine that will serve with the
@@ -32,11 +32,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from inferd.chat_prompts import CHAT_TASKS
 from inferd.loader import load_model
 from inferd.loader.default_model import cache_dir
 from inferd.models import build_model
 from inferd.spec import draft_vocab
-from inferd.spec.eagle_data import (
+from inferd.spec.eagle_head import EagleHead
+from inferd.spec.eagle_io import CONFIG_FILE, WEIGHTS_FILE, check_feature_layers
+from inferd.train.draft_vocab import rank_tokens
+from inferd.train.eagle_data import (
     EVAL_QUESTIONS,
     HiddenStates,
     generate_sequences,
@@ -44,8 +48,7 @@ from inferd.spec.eagle_data import (
     self_instruct,
     target_hidden_states,
 )
-from inferd.spec.eagle_head import CONFIG_FILE, WEIGHTS_FILE, EagleHead, check_feature_layers
-from inferd.spec.eagle_train_core import (
+from inferd.train.eagle_train_core import (
     PRECISIONS,
     TrainOptions,
     autocast_dtype,
@@ -176,8 +179,6 @@ def _distill_instructions(recipe: EagleRecipe, llm, source: str, times: dict[str
 
 def _distill_questions(recipe: EagleRecipe, llm, source: str, times: dict[str, float]) -> tuple[HiddenStates, list[int]]:
     """Self-instruct: questions the target writes, its greedy answers and hidden states, cached."""
-    from inferd.bench.spec import CHAT_TASKS
-
     model = llm.engine.runner.model
     key = _data_key(recipe, source, ["questions", recipe.num_questions])
     path = cache_dir() / "eagle-data" / f"{key}.pt"
@@ -257,7 +258,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     head.save(out)
     if 0 < recipe.draft_vocab_size < head.vocab_size:  # else: the whole vocabulary
         responses = [s[n:].tolist() for s, n in zip(data.train.tokens, data.train_prompt_lens)]
-        draft_vocab.save(out, draft_vocab.rank_tokens(responses, head.vocab_size, recipe.draft_vocab_size))
+        draft_vocab.save(out, rank_tokens(responses, head.vocab_size, recipe.draft_vocab_size))
     # Measured as the engine drafts: the saved head on the served model, its draft vocabulary.
     engine_head = EagleHead.load(out, served, quantize=True)
     eval_starts = [n - 1 for n in data.eval_prompt_lens]  # drafting starts at the last prompt position

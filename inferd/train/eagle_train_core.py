@@ -2,7 +2,7 @@
 
 Loss (EAGLE, with the chain unrolled as the engine runs it): for chain step j = 1..U drafting from
 position t, the head's feature (step 1 reads the target's h_t, step j > 1 the head's own previous
-prediction, and the attention sees the chain's own earlier keys: `EagleHead.forward_levels`) is
+prediction, and the attention sees the chain's own earlier keys: `inferd.train.head_levels.forward_levels`) is
 pulled towards the target's h_{t+j} (smooth-L1) and its logits towards the target's greedy token
 after t + j (cross-entropy), weighted by decay^(j-1). Only chains that start at or after the last
 prompt position count: drafting never starts inside a prompt.
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.spec.eagle_data import HiddenStates
 from inferd.spec.eagle_head import EagleHead
+from inferd.train.eagle_data import HiddenStates
+from inferd.train.head_levels import forward_levels
 
 
 @dataclass(slots=True)
@@ -169,7 +170,7 @@ def head_loss(
         u = torch.rand(parts.shape, generator=generator) * 2 - 1
         spread = parts.transpose(0, 2).flatten(1).std(dim=1)  # [parts]
         hidden = (parts + u * (opts.noise * spread[:, None])).flatten(-2)
-    feats = head.forward_levels(hidden, tokens, lengths, opts.unroll, embed_fn)
+    feats = forward_levels(head, hidden, tokens, lengths, opts.unroll, embed_fn)
     t1 = hidden.shape[1] - 1
     pos = torch.arange(t1)
     labels = greedy[:, 1:]
@@ -284,8 +285,8 @@ def chain_drafts(head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, k:
     long as the chain's earlier drafts were right (after a wrong one, the row is meaningless; the
     acceptance never reads it). The head's bound target embeds and scores, as in the engine."""
     device = head.target.norm.weight.device
-    feats = head.forward_levels(hidden[None].to(device), tokens[None].to(device),
-                                torch.tensor([len(tokens)], device=device), k)  # fmt: skip
+    feats = forward_levels(head, hidden[None].to(device), tokens[None].to(device),
+                           torch.tensor([len(tokens)], device=device), k)  # fmt: skip
     t1 = len(tokens) - 1
     out = torch.full((t1, k), -1, dtype=torch.long)
     for level, f in enumerate(feats):
