@@ -1,4 +1,8 @@
-"""One frozen dataclass per concern, validated once at the edge and passed everywhere."""
+"""One frozen dataclass per concern, validated once at the edge and passed everywhere.
+
+The field defaults here are the engine's defaults, written once: the CLI flags
+(inferd/engine_args.py) and `LLM(...)` take theirs from these fields (`field_default`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+# --dtype (EngineConfig also takes torch's aliases "half" and "float").
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --quantization: inferd/quantization/policy.py says what each keeps.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "fp8")
+# --quantization-group-size: int4 / fp8 weights per scale (and min).
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (a fresh one where the field has a factory);
+    TypeError where the field has none or `cls` has no such field."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise TypeError(f"{cls.__name__}.{name} has no default")
+    raise TypeError(f"{cls.__name__} has no field {name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +123,12 @@ class SchedulerConfig:
     # Largest prefill chunk one sequence may take in a step; None = the whole token budget.
     long_prefill_token_threshold: int | None = None
     # While decodes run, the prefill tokens a step adds are capped at max(this, number of decodes).
-    # On a CPU a step costs about its token count, so a 512-token prompt arriving in one chunk
-    # stalls every running stream for many decode steps; chunked, decodes keep flowing. Measured
-    # (30 Nov, fresh prompts, 32 streams, 512-token prompts arriving, -q auto, 2 threads), caps
-    # 64 / 128 / 256: ITL p99/p50 1.22-1.39 / 1.23-1.25 / 4.2-6.5, TTFT p50 17-18 / 1.4-1.6 /
-    # 1.5 s, ITL p50 125-140 / 234-269 / 80-121 ms, total tok/s about equal (556-718). 256 lets
-    # some steps carry a whole prompt (the spikes); at 128 nearly every step carries one chunk,
-    # so inter-token latency is even, prompts wait 10x less, and each stream decodes ~half as
-    # fast while prompts keep arriving. The 32 x (128 in, 128 out) throughput scenario, fp32:
-    # 555-558 against 467-474 total tok/s at 64. 0: no cap (only max_num_batched_tokens).
+    # On a CPU a step costs about its token count, so a long prompt arriving in one chunk stalls
+    # every running stream for many decode steps; chunked, decodes keep flowing. A larger cap lets
+    # some steps carry a whole prompt (inter-token latency spikes); a smaller one makes prompts
+    # wait far longer for their first token and lowers total throughput. At 128 nearly every step
+    # carries one chunk, so inter-token latency stays even while prompts keep arriving.
+    # 0: no cap (only max_num_batched_tokens).
     prefill_chunk_with_decodes: int = 128
 
     def __post_init__(self) -> None:
@@ -215,11 +236,10 @@ class EngineConfig:
     """Everything the engine needs; built once by the CLI or `LLM(...)`."""
 
     model: str | None = None  # GGUF path, HF directory, or None for the default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # auto | cpu | cuda[:N]
-    # auto | none | int8 | int4 | fp8 (inferd/quantization/policy.py says what each keeps)
-    quantization: str = "auto"
-    quantization_group_size: int = 32  # int4 weights per scale/min: 32, 64 or 128
+    quantization: str = "auto"  # one of QUANTIZATION_METHODS
+    quantization_group_size: int = 32  # one of QUANTIZATION_GROUP_SIZES
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -230,9 +250,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
+        if self.dtype not in (*DTYPES, "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
-        if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
+        if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"--quantization must be auto, none, int8, int4 or fp8; got {self.quantization}"
             )
@@ -240,7 +260,7 @@ class EngineConfig:
             raise ValueError(
                 f"--structured-output-timeout must be > 0, got {self.structured_output_timeout}"
             )
-        if self.quantization_group_size not in (32, 64, 128):
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(
                 f"--quantization-group-size must be 32, 64 or 128; got {self.quantization_group_size}"
             )
@@ -276,9 +296,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
     Even on CPUs that compute bf16 natively (AVX512-BF16, AMX), inferd's CPU kernels — the fused
     decode step, the int8 tiles, the paged attention — take fp32 activations: a bf16 model there
-    runs ATen's per-layer ops instead, measured on an AVX512-BF16 EPYC (default model, 2 threads)
-    at 47x slower decode with the GGUF's quantized weights and 3x slower at 32 rows unquantized.
-    `--dtype bfloat16` still asks for it (its unquantized prefill is ~2.8x faster there)."""
+    runs ATen's per-layer ops instead, and decodes several times slower (tens of times with a
+    GGUF's quantized weights). `--dtype bfloat16` still asks for it (its unquantized prefill is
+    faster there)."""
     if dtype in ("float32", "float"):
         return torch.float32
     if dtype == "bfloat16":

@@ -1,17 +1,75 @@
-"""Command-line engine flags (named as vLLM names them) → `EngineConfig`, validated once."""
+"""Engine arguments, flat and named as vLLM names them → `EngineConfig`, validated once.
+
+One flat namespace over the config dataclasses (inferd/config.py): EngineConfig's own fields,
+CacheConfig's and SchedulerConfig's, and `speculative_config` (SpeculativeConfig's JSON or dict).
+The CLI flags (`--max-num-seqs`) and `LLM(...)`'s keywords (`max_num_seqs=`) are these names, and
+their defaults are the dataclass fields' defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+from typing import Any
 
 from inferd.config import (
+    DTYPES,
     KV_CACHE_DTYPES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    field_default,
 )
+
+_NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
+
+
+def _engine_arg_owners() -> dict[str, type]:
+    owners: dict[str, type] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "speculative":
+            owners[_SPECULATIVE] = EngineConfig
+        elif f.name in _NESTED:
+            for g in dataclasses.fields(_NESTED[f.name]):
+                if g.name in owners:
+                    raise TypeError(f"engine argument {g.name!r} is a field of two configs")
+                owners[g.name] = _NESTED[f.name]
+        else:
+            owners[f.name] = EngineConfig
+    return owners
+
+
+# Every engine argument → the dataclass whose field it is.
+ENGINE_ARGS: dict[str, type] = _engine_arg_owners()
+
+
+def engine_arg_default(name: str) -> Any:
+    """The default of engine argument `name`: its config field's."""
+    if name == _SPECULATIVE:
+        return field_default(EngineConfig, "speculative")
+    return field_default(ENGINE_ARGS[name], name)
+
+
+def build_engine_config(**engine_args: Any) -> EngineConfig:
+    """EngineConfig from flat engine arguments; each one not given takes its field's default.
+    TypeError for a name that is not an engine argument, ValueError for a bad value."""
+    unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
+    if unknown:
+        raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(ENGINE_ARGS)}")
+    own: dict[str, Any] = {}
+    nested: dict[type, dict[str, Any]] = {cls: {} for cls in _NESTED.values()}
+    for name, value in engine_args.items():
+        owner = ENGINE_ARGS[name]
+        (own if owner is EngineConfig else nested[owner])[name] = value
+    speculative = SpeculativeConfig.parse(own.pop(_SPECULATIVE, None))
+    parts = {attr: cls(**nested[cls]) for attr, cls in _NESTED.items()}
+    return EngineConfig(**own, **parts, speculative=speculative)
+
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
@@ -25,81 +83,71 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_bytes(n: int) -> str:
+    """Bytes as `parse_bytes` reads them, in the largest whole binary unit: 1073741824 → 1GiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """The engine flags, each defaulting to its config field's default."""
+    d = engine_arg_default
+    model_help = "GGUF file or HF model directory (default: SmolLM2-135M-Instruct)"
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")  # fmt: skip
+        parser.add_argument("model", nargs="?", default=d("model"), help=model_help)
     else:
-        parser.add_argument("--model", "-m", default=None,
-                            help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")  # fmt: skip
+        parser.add_argument("--model", "-m", default=d("model"), help=model_help)
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--quantization", "-q", default="auto",
-                   choices=["auto", "none", "int8", "int4", "fp8"],
-                   help="weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks; none = dequantize; "
-                        "int8 per-channel, int4 group-wise, fp8 E4M3 group-wise")  # fmt: skip
-    g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
-                   help="int4 / fp8 weights per scale (and min)")  # fmt: skip
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache size in bytes (e.g. 2GiB); default: a share of free memory")  # fmt: skip
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto = the model dtype; float16 / bfloat16 = 2 bytes per "
-                        "element (2x the tokens of fp32, half the bytes a decode step reads); int8 / "
-                        "fp8 (e4m3) / fp8_e5m2 = one byte per element + a scale per token and head "
-                        "(~4x the tokens of fp32)")  # fmt: skip
-    g.add_argument("--kv-cache-prefault", type=parse_bytes, default=1 << 30,
-                   help="CPU: bytes of the KV pool kept faulted in ahead of the blocks in use, on "
-                        "idle CPU time (a page's first write otherwise pays the fault in a step); "
-                        "0 = off (default 1GiB)")  # fmt: skip
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")  # fmt: skip
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="largest prefill chunk of one sequence per step")  # fmt: skip
-    g.add_argument("--prefill-chunk-with-decodes", type=int, default=128,
-                   help="while decodes run, a step adds at most max(N, number of decodes) prefill "
-                        "tokens, so streams keep flowing while prompts arrive; 0: no cap")  # fmt: skip
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+    def add(flag: str, help: str, *aliases: str, **kwargs: Any) -> None:
+        name = flag.removeprefix("--").replace("-", "_")
+        g.add_argument(flag, *aliases, default=d(name), help=help, **kwargs)
+
+    shown = " (default: %(default)s)"
+    add("--dtype", "auto: bfloat16 (float16 without it) on CUDA, float32 on CPUs", choices=DTYPES)
+    add("--device", "auto, cpu, cuda or cuda:N")
+    add("--quantization", "weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 blocks; none = "
+        "dequantize; int8 per-channel, int4 group-wise, fp8 E4M3 group-wise", "-q",
+        choices=QUANTIZATION_METHODS)
+    add("--quantization-group-size", "int4 / fp8 weights per scale (and min)" + shown, type=int,
+        choices=QUANTIZATION_GROUP_SIZES)
+    add("--seed", "seed of the generator that samples requests without a seed" + shown, type=int)
+    add("--block-size", "tokens per KV block" + shown, type=int)
+    add("--kv-cache-memory", "KV cache size in bytes (e.g. 2GiB); default: a share of free "
+        "memory", type=parse_bytes)
+    add("--kv-cache-dtype", "KV cache storage: auto = the model dtype; float16 / bfloat16 = 2 "
+        "bytes per element (2x the tokens of fp32, half the bytes a decode step reads); int8 / "
+        "fp8 (e4m3) / fp8_e5m2 = one byte per element + a scale per token and head (~4x the "
+        "tokens of fp32)", choices=KV_CACHE_DTYPES)
+    add("--kv-cache-prefault", "CPU: bytes of the KV pool kept faulted in ahead of the blocks in "
+        "use, on idle CPU time (a page's first write otherwise pays the fault in a step); 0 = off "
+        f"(default: {format_bytes(d('kv_cache_prefault'))})", type=parse_bytes)
+    add("--gpu-memory-utilization", "share of the device's free memory the KV cache may take "
+        "without --kv-cache-memory" + shown, type=float)
+    add("--max-num-seqs", "most sequences in one step" + shown, type=int)
+    add("--max-num-batched-tokens", "token budget of one step (prefill chunks + decodes)" + shown,
+        type=int)
+    add("--max-model-len", "default: the model's context length, clamped to what the KV cache "
+        "holds", type=int)
+    add("--long-prefill-token-threshold", "largest prefill chunk of one sequence per step "
+        "(default: the token budget)", type=int)
+    add("--prefill-chunk-with-decodes", "while decodes run, a step adds at most max(N, number of "
+        "decodes) prefill tokens, so streams keep flowing while prompts arrive; 0: no cap"
+        + shown, type=int)
+    add("--enable-prefix-caching", "reuse the KV blocks of a shared prompt prefix" + shown,
+        action=argparse.BooleanOptionalAction)
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
-    g.add_argument("--structured-output-timeout", type=float, default=30.0,
-                   help="seconds a JSON schema / regex / grammar may take to compile")  # fmt: skip
-    g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), '
-                        'draft_model ("model": path), eagle ("model": a trained head\'s directory)')  # fmt: skip
-    g.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine stats log lines (0: off)")  # fmt: skip
+    add("--structured-output-timeout", "seconds a JSON schema / regex / grammar may take to "
+        "compile" + shown, type=float)
+    add("--speculative-config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), draft_model ("model": '
+        'path), eagle ("model": a trained head\'s directory)')
+    add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
+        type=float)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        seed=args.seed,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_prefault=args.kv_cache_prefault,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            prefill_chunk_with_decodes=args.prefill_chunk_with_decodes,
-        ),
-        log_stats_interval=args.log_stats_interval,
-        structured_output_timeout=args.structured_output_timeout,
-        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
-    )
+    """The engine arguments among `args` (those `add_engine_args` added) → EngineConfig."""
+    return build_engine_config(**{n: getattr(args, n) for n in ENGINE_ARGS if hasattr(args, n)})

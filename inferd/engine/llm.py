@@ -8,10 +8,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from inferd.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from inferd.config import EngineConfig
 from inferd.engine.core import EngineCore, RequestError
 from inferd.engine.outputs import RequestOutput
 from inferd.engine.stats import EngineStats
+from inferd.engine_args import build_engine_config
 from inferd.loader import Tokenizer
 from inferd.sampling.params import SamplingParams
 
@@ -40,62 +41,37 @@ def _normalize_prompts(prompts: PromptType | Seq[PromptType]) -> list[str | list
 class LLM:
     """Offline inference: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-    Keyword arguments follow vLLM's engine arguments (block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, kv_cache_memory, dtype, device, seed, ...).
+    Keyword arguments are the engine arguments, named as vLLM names them (block_size,
+    max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory, dtype, device, seed,
+    speculative_config, ...: `inferd.engine_args.ENGINE_ARGS`, the CLI's engine flags), with the
+    same defaults but one: stats log lines are off (`log_stats_interval=0`) unless asked for.
+    An unknown keyword raises TypeError. `chat_template` is a Jinja template (text), `verbose`
+    prints the engine's start-up lines, `loaded` is an already loaded model to serve.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
-        dtype: str = "auto",
-        device: str = "auto",
-        quantization: str = "auto",
-        quantization_group_size: int = 32,
-        seed: int = 0,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_cache_prefault: int = 1 << 30,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        prefill_chunk_with_decodes: int = 128,
         chat_template: str | None = None,
-        log_stats_interval: float = 0.0,
-        structured_output_timeout: float = 30.0,
-        speculative_config: dict[str, Any] | str | None = None,
         verbose: bool = True,
         loaded: Any = None,
+        **engine_args: Any,
     ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            quantization=quantization,
-            quantization_group_size=quantization_group_size,
-            seed=seed,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype,
-                              kv_cache_prefault=kv_cache_prefault),  # fmt: skip
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      prefill_chunk_with_decodes=prefill_chunk_with_decodes),  # fmt: skip
-            log_stats_interval=log_stats_interval,
-            structured_output_timeout=structured_output_timeout,
-            speculative=SpeculativeConfig.parse(speculative_config),
-        )
-        self.engine = EngineCore(config, loaded=loaded, verbose=verbose)
+        self.engine = EngineCore(self.engine_config(model, **engine_args), loaded=loaded,
+                                 verbose=verbose)  # fmt: skip
         if chat_template is not None:
             self.engine.tokenizer.set_chat_template(chat_template)
         self._ids = itertools.count()
+
+    @staticmethod
+    def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+        """The EngineConfig `LLM(model, **engine_args)` runs, built without loading anything."""
+        engine_args.setdefault("log_stats_interval", 0.0)  # offline: no periodic log lines
+        try:
+            return build_engine_config(model=model, **engine_args)
+        except TypeError as e:
+            raise TypeError(f"LLM(): {e}") from None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
