@@ -9,7 +9,6 @@ pathological grammar errors out instead of stalling the engine.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 
@@ -99,7 +98,3 @@ def _short(error: str) -> str:
         line.strip() for line in error.split("<state>")[0].strip().splitlines() if line.strip()
     ]
     return " ".join(lines[:4])[:500] or "unknown grammar error"
-
-
-def schema_of(spec: StructuredOutputsParams) -> dict | None:
-    return json.loads(spec.key[1]) if spec.kind == "json" else None

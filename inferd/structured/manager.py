@@ -128,8 +128,3 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     allowed = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool).to(logits.device)
     return torch.where(allowed, logits, torch.tensor(float("-inf"), device=logits.device))
-
-
-def structured_rows(bitmask: torch.Tensor) -> list[int]:
-    """Rows that restrict anything (free rows are all ones)."""
-    return (bitmask != -1).any(dim=1).nonzero().flatten().tolist()
