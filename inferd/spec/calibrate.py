@@ -2,10 +2,9 @@
 with 1 + j query tokens each against 1 each, for every depth j up to k. F(B, j) = t(B, 1 + j) /
 t(B, 1) - 1 is the extra cost of j drafts per sequence in units of a plain decode step
 (inferd.spec.policy). It is measured per depth because it is not linear in j: on a CPU the first
-extra rows ride along with the weights' stream and the next ones are paid in FLOPs (fp32, batch 1
-here: ~0.02 of a step for 1 draft, ~0.12 for 2 or 3). With draft-tree leaves, their own cost per
-leaf row on top of the chain's is measured the same way: (t(B, 1 + k + L) / t(B, 1 + k) - 1) *
-(1 + F(B, k)) / L (fp32 here: ~0.15 per leaf past the chain's rows)."""
+extra rows ride along with the weights' stream and the next ones are paid in FLOPs. With
+draft-tree leaves, their own cost per leaf row on top of the chain's is measured the same way:
+(t(B, 1 + k + L) / t(B, 1 + k) - 1) * (1 + F(B, k)) / L."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ from inferd.scheduler.sequence import Sequence
 
 logger = logging.getLogger("inferd.spec")
 
-# The policy interpolates linearly in between. 32 is measured, not interpolated: from 16 to 64
-# sequences (fp32) a step goes from riding on the weights' stream to compute-bound, and the line
-# between them put one draft per sequence at batch 32 at 0.4 of a step where it costs ~0.9 (prompt
-# lookup on chat at batch 32 fell to 0.93x of speculation off).
+# The policy interpolates linearly in between. 32 is measured, not interpolated: between 16 and
+# 64 sequences a step turns from riding on the weights' stream to compute-bound, and the line
+# between those two points prices a draft at batch 32 at less than half its cost.
 BATCH_SIZES = (1, 4, 16, 32, 64)
 
 
@@ -35,10 +33,8 @@ def _seconds(runner: ModelRunner, out: SchedulerOutput) -> float:
     return time.perf_counter() - start
 
 
-# Small batches' steps are short, and their medians of 3 pairs came out anywhere from 0.04 to
-# 0.24 of a step for 2 drafts at batch 1 in fp32 (steps timed in the engine: ~0.08), moving the
-# policy's depths and the learned head's speedup between runs (1.36-1.53x). There, pairs are
-# taken until they span about this long (at most _MAX_PAIRS): fp32 batch 1 ~10 pairs, 0.2 s.
+# Small batches' steps are short, and a median of a few pairs of them is too noisy to choose
+# depths by. There, pairs are taken until they span about this long (at most _MAX_PAIRS).
 _MIN_SECONDS = 0.2
 _MAX_PAIRS = 15
 

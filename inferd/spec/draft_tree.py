@@ -16,11 +16,9 @@ the policy's `verified_rows`). A node's value never exceeds its parent's, nor an
 depth's draft's (pa <= p1), so the chosen set is a chain from the root with leaves at some of its
 depths: what the engine verifies (each leaf a row of its own, see inferd/engine/model_runner.py).
 
-Offline, along the target's greedy continuations (k = 3, fp32 target, the README's head), the mean
-tokens per verification went from 1.84 to 1.90 with runner-ups on the bench's chat prompts, 1.95 to
-2.02 on the held-out free-form questions and 2.10 to 2.18 on the held-out instructions: the same
-rows emit 3-4 % more tokens. Thirds too (with fp32 rescoring, first 96 tokens): 1.781 to 1.793 on
-the chat prompts, 2.087 to 2.102 held out.
+Spending rows this way instead of on the chain alone makes the same number of verified rows emit
+more tokens on average: a likely runner-up near the root is worth more than a deep draft the
+head was unsure of.
 """
 
 from __future__ import annotations

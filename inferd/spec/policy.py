@@ -3,24 +3,21 @@
 A verification step of 1 + k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average when
 each draft is accepted with probability a, and costs 1 + F(k) + P(k) plain decode steps, where
 - F(k): the target's forward with k more query rows per sequence at the current batch size,
-  measured at start-up for every depth (inferd.spec.calibrate). It is not linear in k: on a CPU
-  the first extra rows ride along with the weights' stream and later ones are paid in FLOPs (fp32
-  at batch 1 here: 2 rows cost 1.00-1.03 plain steps, 3 and 4 rows 1.07-1.14, as the machine's
-  speed moves), towards k when the batch is large enough to be compute-bound;
+  measured at start-up for every depth (inferd.spec.calibrate) and re-measured from the engine's
+  own steps at small batches (inferd.spec.step_times). It is not linear in k: on a CPU the first
+  extra rows ride along with the weights' stream and later ones are paid in FLOPs, towards k when
+  the batch is large enough to be compute-bound;
 - P(k): speculation's own work for chains of depth k, relative to a step, measured online: the
   proposer drafting them and the verification's bookkeeping (acceptance, the rejected drafts'
-  KV rolled back), as a fixed part per step plus a part per depth (the learned head drafts in
-  0.2 + 0.27 ms per depth on a ~10 ms fp32 step; the bookkeeping is ~0.2 ms more). Charging the
-  fixed part per draft, as a cost per token would, makes depth 1 look cheap and depth 3 dear,
-  the reverse of the truth; leaving the bookkeeping out made speculating look free on the GGUF,
-  where it cost 6 %. Only drafting at a depth re-measures it, so a depth's point leaves the fit
-  once it is stale beside a shallower one's, and a sequence that P alone keeps at k = 0 still
-  probes now and then: one slow step (three steps' worth at depth 3) otherwise kept a bench
-  engine off for good (1.00x where its twin ran 1.36x).
+  KV rolled back), fitted as a fixed part per step plus a part per depth. Charging the fixed part
+  per draft, as a cost per token would, makes depth 1 look cheap and deep chains dear, the reverse
+  of the truth; leaving the bookkeeping out makes speculating look free where it is not. Only
+  drafting at a depth re-measures it, so a depth's point leaves the fit once it is stale beside a
+  shallower one's, and a sequence that P alone keeps at k = 0 still probes now and then: without
+  both, one slow step could keep an engine from speculating for good.
 a is the sequence's running acceptance rate, shrunk towards what recent drafts of every sequence
 were worth: a few verifications are a noisy estimate, and a sequence that just failed twice
-usually does not stay worse than the rest (on chat with the learned head, choosing k from its own
-last few verifications alone ran ~5-8 % slower than always verifying 3).
+usually does not stay worse than the rest.
 Each sequence takes the k in [0, k_max] that maximizes E(k) / cost(k); k = 0 (plain decoding)
 wins by itself when the batch grows or acceptance drops, and a sequence at k = 0 probes with one
 draft now and then so that its estimate can recover. `disable_by_batch_size` overrides the
@@ -29,15 +26,14 @@ batch-size side: no speculation while more sequences than that decode.
 A proposer that ranks its drafts (eagle's dynamic tree, greedy sequences) knows more than a: the
 head's probability that each node it could verify is the target's. Such a sequence drafts k_max
 whenever any depth pays, and once its nodes are ranked verifies the b >= 1 likeliest that maximize
-(1 + c * (v_1 + ... + v_b)) / (1 + F(b)), the deepest within 5 % of the best (F is noisy); v: the
-nodes' values, c: how many accepted tokens a unit of predicted value has brought recently, across
-sequences (the head's probabilities are well calibrated: c ~ 1; 0.77 with thirds and rescoring).
-Why: the geometric E(k) underprices the deep rows of a ranked chain (the runner-ups, and acceptance
-that rises along a chain the head is sure of): on chat, verifying 3 rows emits 1.36x the tokens of
-verifying 1 where E(k) at the same a says 1.25x. With a noisy start-up F(3), that sent sequences to
-k = 1 and kept them there, nothing ever re-measuring depth 3 (1.35x against 1.39x for always 3 in
-one run; 1.01x against 1.45x in another). Drafting deep costs ~0.15 ms a depth at batch 1; the rows
-are what is dear, and those follow each step's own confidence.
+(1 + c * (v_1 + ... + v_b)) / (1 + F(b)), the deepest within `_TRIM_MARGIN` of the best (F is
+noisy); v: the nodes' values, c: how many accepted tokens a unit of predicted value has brought
+recently, across sequences (close to 1 when the head's probabilities are well calibrated).
+Why: the geometric E(k) underprices the deep rows of a ranked chain (the runner-ups, and
+acceptance that rises along a chain the head is sure of); with a noisy start-up F it sends
+sequences to shallow depths and keeps them there, nothing ever re-measuring the deeper ones.
+Drafting deep is cheap; the verified rows are what is dear, and those follow each step's own
+confidence.
 
 A draft tree (`draft_topk` > 1: w = draft_topk - 1 leaves at each of the k depths) adds w * k rows
 at a leaf row's own measured cost lambda (not F's: on a CPU a step's first rows ride along with
@@ -63,9 +59,10 @@ _POOL_WEIGHT = 4.0  # drafts' worth of the shared estimate added to a sequence's
 _SPEC_TIME_DECAY = 0.8  # speculation's own time at each depth: ~5 steps' memory
 # Steps after which a depth's measured own time leaves the fit, when a shallower depth was
 # measured since. Only drafting at a depth re-measures it: one slow step there (the head's first
-# call, a page-fault storm) priced drafting out, the sequences sat at k = 0, and their probes at
-# depth 1 could not move the stale deeper point the fitted line passed through. (Shallower
-# points stay: chains at k_max are what runs, and the line through them keeps the fixed part.)
+# call, a page-fault storm) would price drafting out, the sequences would sit at k = 0, and their
+# probes at depth 1 could not move the stale deeper point the fitted line passes through.
+# (Shallower points stay: chains at k_max are what runs, and the line through them keeps the
+# fixed part.)
 _SPEC_TIME_EXPIRES = 256
 # Steps between probes where drafting looks too dear to ever pay (a cost per draft >= 1) but
 # only by the part measured online, which a probe re-measures; the start-up F is not.
@@ -79,11 +76,10 @@ _LEAF_DECAY = 0.98  # the leaves' hit rate: ~50 chances' memory
 _LEAF_PROBE_EVERY = 16  # verifications between tries of the leaves while they do not pay
 _CALIBRATION_DECAY = 0.98  # accepted over predicted for ranked drafts: ~50 verifications' memory
 _PRIOR_CALIBRATION_WEIGHT = 2.0  # predicted tokens' worth of the prior c = 1
-# How much better fewer ranked rows must do than more: F is a start-up measurement, its third
-# row 0.03-0.25 of a step for engines built minutes apart. Trimming on F mispriced at
-# [0.005, 0.25, 0.25] took 1.97 rows a step and MAL 1.737 (all rows: 1.806); with this margin
-# 2.59 and 1.789. Offline, where rows are truly dear (-q auto's ~0.1 of a step each), it keeps
-# +1.5 % of trimming's +4 %.
+# How much better fewer ranked rows must do than more before the policy trims them: F is a
+# noisy measurement (a deep row's cost can come out several times too dear), and trimming on a
+# mispriced F verifies fewer rows and emits fewer tokens. Where rows truly are dear, 5 % still
+# keeps a good part of what trimming gains.
 _TRIM_MARGIN = 0.05
 
 
@@ -121,12 +117,11 @@ def best_depth(a: float, k_max: int, cost: float | Callable[[int], float]) -> in
 def probe_interval(cost_per_draft: float, batch_size: int = 1) -> int:
     """Steps between probes of a sequence at k = 0, 0 for none. A probe costs `cost_per_draft` of
     a decode step and is wasted when acceptance really is low, so probes space out as the cost
-    grows (8 steps when drafts are free, 27 at 0.7, measured at batch 32 here); from cost 1 on no
-    depth can pay even if every draft were accepted (E(k) <= k + 1 <= 1 + cost * k): no probing.
-    (At batch 32 on chat, probing every 8 steps cost 9 % of throughput.) Each sequence probing on
-    its own clock, a batch of B makes B / interval probes per step, each a verification row and
-    its bookkeeping: at most one every 1 / _MAX_PROBES_PER_STEP steps across the batch (at batch 32
-    with cost ~0.6, every 20 steps per sequence would be 1.6 probes a step)."""
+    grows (_PROBE_EVERY steps when drafts are free, _PROBE_EVERY / (1 - cost) otherwise); from
+    cost 1 on no depth can pay even if every draft were accepted (E(k) <= k + 1 <= 1 + cost * k):
+    no probing. Each sequence probing on its own clock, a batch of B makes B / interval probes per
+    step, each a verification row and its bookkeeping, which at large batches would cost more than
+    the probes can win back: at most _MAX_PROBES_PER_STEP probes per step across the batch."""
     if cost_per_draft >= 1.0:
         return 0
     own = max(_PROBE_EVERY, round(_PROBE_EVERY / (1.0 - cost_per_draft)))
@@ -134,6 +129,10 @@ def probe_interval(cost_per_draft: float, batch_size: int = 1) -> int:
 
 
 class SpecPolicy:
+    """Chooses each decoding sequence's depth per step (`depths`), how many ranked nodes and draft
+    tree leaves it verifies (`verified_rows`, `leaf_widths`), and learns from each verification's
+    outcome and timing (`record`, `record_speculation_time`, `record_forward`)."""
+
     def __init__(self, k_max: int, disable_by_batch_size: int | None,
                  verify_cost: dict[int, float | list[float]] | None = None, leaf_width: int = 0,
                  leaf_cost: dict[int, float] | None = None,
@@ -312,12 +311,11 @@ class SpecPolicy:
         return widths
 
     def _fresh_state(self, cost: float) -> SpecState:
-        """A new sequence's estimate. Where a draft costs little (batch 1: ~0.15 of a step) the
-        optimistic prior (a = 0.7) lets it try at once; where it costs more it starts at the
-        acceptance recent sequences saw, with the prior's weight (the prior itself until there
-        are some). With the prior alone, every request of a batch of 32 chat requests verified
-        k = 1 two or three times before its own evidence stopped it (~75 verifications in 64
-        steps at a cost of ~0.6 per draft: 0.96x of speculation off)."""
+        """A new sequence's estimate. Where a draft costs little (under _TRUST_PRIOR_BELOW of a
+        step) the optimistic prior (a = 0.7) lets it try at once; where it costs more it starts
+        at the acceptance recent sequences saw, with the prior's weight (the prior itself until
+        there are some): with the prior alone, every request of a large batch would verify a few
+        times at a loss before its own evidence stopped it."""
         if cost < _TRUST_PRIOR_BELOW or self._seen_tried < _PRIOR_TRIED:
             return SpecState()
         a = self._seen_accepted / self._seen_tried

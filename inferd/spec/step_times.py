@@ -1,19 +1,17 @@
 """The forward's extra cost of verification rows, re-measured from the engine's own steps.
 
 The start-up calibration (inferd.spec.calibrate) times a few pairs of steps per depth. At small
-batches on a machine whose speed moves from step to step that is too few: eight calibrations in
-a row of one fp32 engine at batch 1 gave F(3) anywhere from 0.07 to 0.39, while the medians of
-~900 real verification steps put it at ~0.06. The policy trims a ranked chain's rows and decides
-whether to speculate at all from F: calibrated at 0.17 / 0.40 / 0.40, an eagle engine verified one
-draft in a fifth of its steps and none in an eighth, 1.36x on chat against 1.48x for the same
-engine calibrated at 0.00 / 0.07 / 0.07.
+batches, on a machine whose speed moves from step to step, that is too few: one calibration's F(j)
+can be several times what the engine's real steps cost. The policy trims a ranked chain's rows
+and decides whether to speculate at all from F, so an overpriced F leaves it verifying too few
+drafts, or none.
 
 So decode steps are timed as they run. Each plain step (no drafts) next to a verification step of
 j extra rows per sequence, at the same batch size, gives one sample of t(j) / t(0): neighbours
 ran milliseconds apart, so a change of the machine's speed hits both. The median of the recent
 samples replaces the start-up F(j) once there are enough. Plain steps are rare where speculation
-pays (at batch 1 on chat: a request's last token), so the policy asks for one now and then
-(`wants_reference`): one step in _REFERENCE_EVERY emits one token instead of ~1.8.
+pays (at batch 1: a request's last token), so the policy asks for one now and then
+(`wants_reference`): one step in _REFERENCE_EVERY emits one token instead of several.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from collections import deque
 # Batch sizes re-measured online: larger batches' steps are long enough for the start-up
 # calibration to be steady, and there a plain reference step would cost more tokens.
 MAX_BATCH = 8
-_WINDOW = 31  # samples kept per (batch size, extra rows): the recent ones (one pair is noisy: +-10 %)
+_WINDOW = 31  # samples kept per (batch size, extra rows): the recent ones (one pair alone is noisy)
 _MIN_SAMPLES = 8  # before which the start-up figure stands
 _REFERENCE_EVERY = 48  # steps at a batch size without a plain one before the policy asks for one
 

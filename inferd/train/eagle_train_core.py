@@ -2,14 +2,15 @@
 
 Loss (EAGLE, with the chain unrolled as the engine runs it): for chain step j = 1..U drafting from
 position t, the head's feature (step 1 reads the target's h_t, step j > 1 the head's own previous
-prediction, and the attention sees the chain's own earlier keys: `inferd.train.head_levels.forward_levels`) is
+prediction, and the attention sees the chain's own earlier keys: inferd.train.head_levels) is
 pulled towards the target's h_{t+j} (smooth-L1) and its logits towards the target's greedy token
 after t + j (cross-entropy), weighted by decay^(j-1). Only chains that start at or after the last
 prompt position count: drafting never starts inside a prompt.
 
 The cross-entropy runs over the tokens that occur in the data (inputs and greedy labels), not the
-whole vocabulary: on the CPU the LM head's [rows, 49152] matmul, forward and backward, would be
-most of the training time, and tokens the target never produces here carry little signal.
+whole vocabulary: on the CPU the LM head's [rows, vocabulary] matmul, forward and backward, would be
+most of the training time, and tokens the target never produces in the data carry little
+signal.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TrainOptions:
     epochs: float = 3.0
     batch_size: int = 8  # sequences per step
     unroll: int = 3  # chained steps per example (inference chains k = 3..5)
-    lr: float = 2e-3  # 1e-3 for 2 epochs: 1.68 at k = 3; 2e-3 for 4 epochs: 1.86 (templates only)
+    lr: float = 2e-3  # peak, after a warmup of 5 % of the steps, then cosine decay
     weight_decay: float = 0.1
     ce_weight: float = 0.1  # EAGLE's: the feature regression generalises better than the CE
     # The feature regression's weight; 0: cross-entropy alone (EAGLE-3's loss), for a last stage.
@@ -47,7 +48,7 @@ class TrainOptions:
     ce_rows: float = 0.25
     # The matmuls' precision: "bfloat16" runs the forward under autocast (fp32 weights, optimizer
     # and losses), "auto" does where the hardware computes bf16 natively (AVX512-BF16 / AMX CPUs,
-    # CUDA). Matmuls are ~75 % of a step; on an AVX512-BF16 EPYC a step took half the time.
+    # CUDA). Matmuls are most of a training step, and native bf16 runs them about twice as fast.
     precision: str = "auto"
     seed: int = 0
     log_every: int = 50
@@ -109,8 +110,8 @@ def greedy_tokens(
     GREEDY_CANDIDATES best bf16 scores are rescored in fp32 and the best of those is taken: the
     fp32 argmax unless it falls outside them (bf16 rounds each input to ~3 significant digits:
     a logit moves by far less than the gap to an 8th-best one). The whole vocabulary's [N, V]
-    matmul is what costs: in fp32, 1 s per 1,024 rows on this EPYC beside another job, ~19 min
-    over the recipe's 1.2 M positions, every stage."""
+    matmul over every position of the data is what costs, in every stage of the recipe: in fp32
+    it takes a large share of a stage's time on a CPU."""
     out = []
     for h in hidden.split(chunk):
         h = h.float()

@@ -81,7 +81,7 @@ class EagleRecipe:
     data_only: bool = False  # generate and cache the data, then stop
     # The generated data's seed (which instructions, the sampled answers, the self-instruct
     # questions), apart from the training's (`train.seed`), so that retraining with another
-    # seed reuses the cached data instead of spending an hour making it again.
+    # seed reuses the cached data instead of generating it again (the recipe's slowest part).
     data_seed: int = 0
     progress: bool = False  # a progress bar while generating
     train: TrainOptions = field(default_factory=TrainOptions)
@@ -216,7 +216,7 @@ def train_eagle(recipe: EagleRecipe) -> dict:
     out = Path(recipe.out) if recipe.out else default_out_dir(name)
     if recipe.feature_layers is None:
         recipe = replace(recipe, feature_layers=default_feature_layers(loaded.config.num_layers))
-    # Before the hour of generation, not after it.
+    # Before the long generation step, not after it.
     check_feature_layers(recipe.feature_layers, loaded.config.num_layers)
     data, served = distill(recipe, loaded, times)
     if recipe.data_only:
