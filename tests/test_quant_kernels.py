@@ -76,15 +76,29 @@ def test_kernels_match_dequantized_reference(ext, m: int) -> None:
 
 
 def test_quantized_matmul_dispatch_keeps_batch_dims(ext) -> None:
+    """Every dispatch path (one row, a few rows, >= 32 rows: dequantise once + sgemm; kernels
+    off) against an fp64 matmul on the weight itself, with leading batch dimensions kept. The
+    weight sits exactly on an int4 grid (each 32-group spans min .. min + 15 * scale, both exact
+    in fp16), so quantizing loses nothing and the reference owes nothing to `formats`."""
     from inferd.quantization.formats import quantized_matmul
 
-    qw = quantize(torch.randn(37, 96), "int4", 32)
-    for shape in [(96,), (5, 96), (2, 40, 96)]:  # 40 rows: the dequantise-once + sgemm path
-        x = torch.randn(*shape)
-        want = F.linear(x, dequantize_rows(qw))
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 37, 96, 32
+    q = torch.randint(0, 16, (n, k // group, group), generator=g)
+    q[:, :, 0], q[:, :, 1] = 0, 15  # each group's extremes are on the grid
+    scale = torch.randint(1, 64, (n, k // group, 1), generator=g) / 1024
+    lo = torch.randint(-64, 0, (n, k // group, 1), generator=g) / 128
+    w = (lo + q * scale).reshape(n, k)
+    qw = quantize(w, "int4", group)
+    assert torch.equal(dequantize_rows(qw), w)
+    for shape in [(96,), (5, 96), (2, 40, 96)]:  # 80 rows: the dequantise-once + sgemm path
+        x = torch.randn(*shape, generator=g)
+        want = (x.double() @ w.double().T).float()
         got = quantized_matmul(x, qw, int8_activations=False)  # int8 ones: the tests below
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(quantized_matmul(x, qw, use_kernels=False), want)
+        assert got.shape == (*shape[:-1], n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(quantized_matmul(x, qw, use_kernels=False), want,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_int4_pack_round_trip() -> None:
