@@ -1,16 +1,15 @@
-"""Every `INFERD_*` environment variable: its type, default and meaning, read here and nowhere else.
+"""Every `INFERD_*` environment variable: its kind, default and meaning, read here and only here.
 
 Code reads a variable as an attribute (`envs.INFERD_CACHE_DIR`); each access reads the environment
-afresh, so a variable set after import (by a launcher, a test) is seen by code that reaches it later.
-A few are read once by their consumer and then hold for the process: INFERD_MALLOPT when inferd is
-imported, INFERD_INT8_ACTIVATIONS when inferd.quantization.formats is imported,
-INFERD_ONEDNN_LINEAR at the first many-row fp32 matmul, INFERD_STREAM_PREFETCH when the CPU
-kernels load.
+afresh, so a variable set after import (by a launcher, a test) is seen by code reaching it later.
+A few are read once by their consumer and then hold for the process: INFERD_MALLOPT when inferd
+is imported, INFERD_INT8_ACTIVATIONS when inferd.quantization.formats is imported,
+INFERD_ONEDNN_LINEAR at its first use, INFERD_STREAM_PREFETCH when the CPU kernels load.
 
-These are process-wide by nature: where files go, the allocator, and switches of the compiled kernels
-and their process-global state, which every engine in the process shares. Per-engine settings are
-fields of inferd.config and `inferd serve` / `LLM(...)` arguments instead; INFERD_API_KEY is only the
-default of `--api-key`.
+These are process-wide by nature: where files go, the allocator, and switches of the compiled
+kernels and their process-global state, which every engine in the process shares. Per-engine
+settings are fields of inferd.config and `inferd serve` / `LLM(...)` arguments instead;
+INFERD_API_KEY is only the default of `--api-key`.
 
 This module imports nothing from inferd or torch: `inferd/__init__.py` reads INFERD_MALLOPT before
 torch is imported. `describe()` gives the table the docs show.
@@ -75,7 +74,8 @@ def _text(raw: str | None) -> str | None:
 def _cache_dir(raw: str | None) -> str:
     if raw:
         return raw
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inferd")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "inferd")
 
 
 def _kernel_cache_dir(raw: str | None) -> str:
@@ -87,9 +87,8 @@ def _stream_prefetch(raw: str | None) -> str | None:
     if not value:
         return None
     if value not in STREAM_PREFETCH_CHOICES:
-        raise ValueError(
-            f"INFERD_STREAM_PREFETCH={value!r}: expected one of {', '.join(STREAM_PREFETCH_CHOICES)}"
-        )
+        choices = ", ".join(STREAM_PREFETCH_CHOICES)
+        raise ValueError(f"INFERD_STREAM_PREFETCH={value!r}: expected one of {choices}")
     return value
 
 
@@ -104,7 +103,8 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "INFERD_KERNEL_CACHE_DIR", "path", "$INFERD_CACHE_DIR/kernels",
-            "where the C++ kernels are compiled, one folder per source, flags, CPU and torch version",
+            "where the C++ kernels are compiled on first use, one folder per source, flags, CPU "
+            "and torch version",
             _kernel_cache_dir,
         ),
         EnvVar(
@@ -115,13 +115,14 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "INFERD_API_KEY", "string", "unset (no key)",
-            "the default of `inferd serve --api-key`: requests must carry 'Authorization: Bearer KEY'",
+            "the default of `inferd serve --api-key`: requests must carry "
+            "'Authorization: Bearer KEY'",
             _text,
         ),
         EnvVar(
             "INFERD_MALLOPT", "switch", "1",
             "0 leaves glibc's allocator as it is; on, importing inferd keeps freed blocks under "
-            "32 MiB in the heap so a step's large temporaries are not page-faulted afresh each step",
+            "32 MiB in the heap, so a step's large temporaries are not page-faulted afresh",
             _switch,
         ),
         EnvVar(
