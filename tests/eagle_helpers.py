@@ -3,6 +3,9 @@ random token sequences, a head with weights away from their init, and an engine-
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from inferd.loader import load_model
@@ -11,11 +14,16 @@ from inferd.spec.draft_cache import DraftCache
 from inferd.spec.eagle_head import EagleHead
 
 
-def target_model(path) -> torch.nn.Module:
+def target_model(path: str | Path) -> torch.nn.Module:
     """The model at `path` as an fp32 CPU target the head can be trained on."""
     loaded = load_model(path, verbose=False)
-    return build_model(loaded.config, loaded.weights, max_positions=256, dtype=torch.float32,
-                       device=torch.device("cpu"))  # fmt: skip
+    return build_model(
+        loaded.config,
+        loaded.weights,
+        max_positions=256,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 def sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -23,7 +31,7 @@ def sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def trained_like(target, seed: int = 0, **kwargs) -> EagleHead:
+def trained_like(target: torch.nn.Module, seed: int = 0, **kwargs: Any) -> EagleHead:
     """A head with weights away from their init (so that every part of it matters)."""
     torch.manual_seed(seed)
     head = EagleHead.for_target(target, **kwargs)
@@ -32,8 +40,12 @@ def trained_like(target, seed: int = 0, **kwargs) -> EagleHead:
     return head.requires_grad_(False)
 
 
-def cache_upto(head: EagleHead, hidden: torch.Tensor, tokens: torch.Tensor, t: int, lo: int = 0) -> DraftCache:
+def cache_upto(
+    head: EagleHead, hidden: torch.Tensor, tokens: torch.Tensor, t: int, lo: int = 0
+) -> DraftCache:
     """What the engine's proposer holds once positions lo..t are computed (token t + 1 known)."""
     cache = DraftCache(hidden, head.num_kv_heads, head.head_dim)
-    cache.write(lo, *head.cache_entries(hidden[lo : t + 1], tokens[lo + 1 : t + 2], torch.arange(lo, t + 1)))
+    cache.write(
+        lo, *head.cache_entries(hidden[lo : t + 1], tokens[lo + 1 : t + 2], torch.arange(lo, t + 1))
+    )
     return cache

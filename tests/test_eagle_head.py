@@ -32,15 +32,23 @@ def test_engine_chains_equal_the_training_levels(target, features) -> None:
     head = trained_like(target, intermediate_size=64, feature_layers=features)
     seq = sequences(1, 30, target.config.vocab_size)[0]
     states = target_hidden_states(target, [seq], capture_layers=features)
-    assert states.hidden[0].shape[1] == head.input_size == target.config.hidden_size * (1 + len(features))
+    assert (
+        states.hidden[0].shape[1]
+        == head.input_size
+        == target.config.hidden_size * (1 + len(features))
+    )
     h, toks = states.hidden[0], states.tokens[0]
     levels = forward_levels(head, h[None], toks[None], torch.tensor([30]), 4)
     assert [f.shape for f in levels] == [(1, 29, target.config.hidden_size)] * 4
     for t in (0, 3, 17, 26):
         k = min(4, 30 - t - 2)
         # Feed the true tokens (as the levels do): `choose` picks them instead of the argmax.
-        drafted, logits = head.draft([cache_upto(head, h, toks, t)], k, return_logits=True,
-                                     choose=lambda _, j, t=t: toks[t + 2 + j].view(1))  # fmt: skip
+        drafted, logits = head.draft(
+            [cache_upto(head, h, toks, t)],
+            k,
+            return_logits=True,
+            choose=lambda _, j, t=t: toks[t + 2 + j].view(1),
+        )
         assert drafted[0].tolist() == toks[t + 2 : t + 2 + k].tolist()
         for j in range(k):
             want = head.compute_logits(levels[j][0, t + j][None])[0]
@@ -61,9 +69,11 @@ def test_batched_drafts_equal_one_cache_at_a_time(target, tmp_path, inference) -
         head = EagleHead.load(head.save(tmp_path / "head"), target)
     seqs = sequences(3, 24, target.config.vocab_size, seed=2)
     states = target_hidden_states(target, seqs)
-    caches = [cache_upto(head, states.hidden[0], states.tokens[0], 20),
-              cache_upto(head, states.hidden[1], states.tokens[1], 4),
-              cache_upto(head, states.hidden[2], states.tokens[2], 12, lo=8)]  # fmt: skip
+    caches = [
+        cache_upto(head, states.hidden[0], states.tokens[0], 20),
+        cache_upto(head, states.hidden[1], states.tokens[1], 4),
+        cache_upto(head, states.hidden[2], states.tokens[2], 12, lo=8),
+    ]
     together, logits = head.draft(caches, 3, return_logits=True)
     for i, c in enumerate(caches):
         alone, alone_logits = head.draft([c], 3, return_logits=True)
@@ -82,7 +92,9 @@ def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path, f
     path = head.save(tmp_path / "head")
     plain = EagleHead.load(path, target)
     int4 = EagleHead.load(path, target, quantize=True)
-    assert isinstance(int4.gate_up, QuantizedLinear) and not isinstance(plain.gate_up, QuantizedLinear)
+    assert isinstance(int4.gate_up, QuantizedLinear) and not isinstance(
+        plain.gate_up, QuantizedLinear
+    )
     seqs = sequences(3, 20, target.config.vocab_size, seed=5)
     states = target_hidden_states(target, seqs, capture_layers=features)
     for h, toks in zip(states.hidden, states.tokens):
@@ -95,12 +107,21 @@ def test_inference_layers_draft_what_the_trained_head_drafts(target, tmp_path, f
 
 
 def test_draft_cache_grows_overwrites_and_restarts_after_a_gap() -> None:
-    kv = lambda n, base: (torch.zeros(n, 4), torch.full((n, 1, 2), float(base)), torch.full((n, 1, 2), -float(base)))  # noqa: E731
+    kv = lambda n, base: (
+        torch.zeros(n, 4),
+        torch.full((n, 1, 2), float(base)),
+        torch.full((n, 1, 2), -float(base)),
+    )  # noqa: E731
     c = DraftCache(torch.zeros(1), 1, 2)
     c.write(0, *kv(10, 1))
     c.write(10, *kv(30, 2))  # grows past its first 16 rows
     k, v = c.keys()
-    assert (c.lo, c.end) == (0, 40) and k[:10].eq(1).all() and k[10:].eq(2).all() and v[10:].eq(-2).all()
+    assert (
+        (c.lo, c.end) == (0, 40)
+        and k[:10].eq(1).all()
+        and k[10:].eq(2).all()
+        and v[10:].eq(-2).all()
+    )
     c.write(35, *kv(2, 3))  # a recomputation from position 35 (preemption): overwrite, shorten
     assert (c.lo, c.end) == (0, 37) and c.keys()[0][35:].eq(3).all() and c.keys()[0][34].eq(2).all()
     copy = c.copy()
@@ -132,7 +153,10 @@ def test_save_load_round_trip_is_bit_exact(target, tmp_path, features) -> None:
     # size, eps or rope theta lost on the way would move the features far more than this.
     for x, y in zip(a_feats, b_feats):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
-    assert loaded.num_heads == target.config.num_heads and loaded.rope_theta == target.config.rope_theta
+    assert (
+        loaded.num_heads == target.config.num_heads
+        and loaded.rope_theta == target.config.rope_theta
+    )
     assert not any(p.requires_grad for p in loaded.parameters())
     # The target's embedding and LM head are borrowed, never saved.
     assert not any("embed" in k and "norm" not in k for k in b)
@@ -169,13 +193,13 @@ def test_load_rejects_bad_paths_and_other_targets(target, tiny_models, tmp_path)
     deep = EagleHead.for_target(target, intermediate_size=64, feature_layers=(0,))
     path = deep.save(tmp_path / "deep")
     (path / "config.json").write_text(json.dumps({**deep.config, "feature_layers": [n]}))
-    with pytest.raises(ValueError, match=f"reads target layers \\[{n}\\]; the target model has {n}"):
+    with pytest.raises(
+        ValueError, match=f"reads target layers \\[{n}\\]; the target model has {n}"
+    ):
         EagleHead.load(path, target)
     (path / "config.json").write_text(json.dumps({**deep.config, "feature_layers": [1, 0]}))
     with pytest.raises(ValueError, match="ascending"):
         EagleHead.load(path, target)
-
-
 
 
 @pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
@@ -186,15 +210,23 @@ def test_draft_vocab_drafts_the_best_token_of_the_subset(tiny_models, tmp_path, 
     from inferd import LLM
     from inferd.spec import draft_vocab
 
-    target = LLM(str(tiny_models[model].path), kv_cache_memory=4 << 20, verbose=False).engine.runner.model
+    target = LLM(
+        str(tiny_models[model].path), kv_cache_memory=4 << 20, verbose=False
+    ).engine.runner.model
     torch.manual_seed(0)
     path = EagleHead.for_target(target).save(tmp_path / "head")
     v, h = target.config.vocab_size, target.config.hidden_size
     full = EagleHead.load(path, target)
     assert full.draft_vocab_size is None
-    caches = [cache_upto(full, torch.randn(8, h), torch.randint(0, v, (8,)), t) for t in (2, 6, 6, 4)]
+    caches = [
+        cache_upto(full, torch.randn(8, h), torch.randint(0, v, (8,)), t) for t in (2, 6, 6, 4)
+    ]
     want, _ = full.draft(caches, 4)
-    ids = torch.arange(v)[torch.randperm(v, generator=torch.Generator().manual_seed(1))[:150]].sort().values
+    ids = (
+        torch.arange(v)[torch.randperm(v, generator=torch.Generator().manual_seed(1))[:150]]
+        .sort()
+        .values
+    )
     draft_vocab.save(path, ids)
     reduced = EagleHead.load(path, target)
     assert reduced.draft_vocab_size == 150
@@ -282,7 +314,6 @@ def test_rescore_close_replaces_the_close_scores_by_the_fp32_rows(kernel_build) 
         kernel_build.eagle_rescore_close(scores, feature, ids.int(), table, 1.5, 16)
 
 
-
 @pytest.mark.parametrize("activations", ["default", "fp32"])
 @pytest.mark.parametrize("model", ["llama-f32.gguf", "llama-tied-q8_0.gguf"])
 def test_the_cpp_chain_drafts_what_the_python_chain_does(
@@ -359,4 +390,3 @@ def _check_cpp_chain(model_path, tmp_path) -> None:
             rows = a.end - a.lo + fused.shape[1] - 1  # the true rows and the chain's own keys
             assert torch.equal(a.k[:rows], b.k[:rows]) and torch.equal(a.v[:rows], b.v[:rows])
             assert torch.equal(a.x_last, b.x_last)
-

@@ -41,8 +41,9 @@ def _train_a_few_steps(target, precision: str) -> list[float]:
     seqs = sequences(8, 40, target.config.vocab_size)
     states = target_hidden_states(target, seqs)
     lm_weight = target.lm_head.weight.detach()
-    opts = TrainOptions(epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05,
-                        precision=precision)  # fmt: skip
+    opts = TrainOptions(
+        epochs=10, batch_size=4, unroll=2, lr=3e-3, log_every=0, noise=0.05, precision=precision
+    )
     data = prepare(states, [5] * 8, lm_weight, precision)
     assert data.num_positions == 320 and data.greedy[0].shape == (40,)
     torch.manual_seed(1)
@@ -73,10 +74,12 @@ def test_loss_weights_the_regression_and_the_cross_entropy_as_asked(target) -> N
 
     def loss(**weights) -> tuple[float, dict[str, float]]:
         opts = TrainOptions(unroll=2, noise=0.0, ce_rows=1.0, full_vocab_ce=True, **weights)
-        total, stats = head_loss(head, data, [0, 1, 2, 3], target.embed_tokens, lm_weight, None, opts)
+        total, stats = head_loss(
+            head, data, [0, 1, 2, 3], target.embed_tokens, lm_weight, None, opts
+        )
         return total.item(), stats
 
-    levels = [TrainOptions().step_decay**j for j in range(2)]  # each unrolled level's weight
+    levels = [TrainOptions().step_decay ** j for j in range(2)]  # each unrolled level's weight
     ce_only, stats = loss(reg_weight=0.0, ce_weight=1.0)
     ce = sum(w * stats[f"ce{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
     reg = sum(w * stats[f"reg{j + 1}"] for j, w in enumerate(levels)) / sum(levels)
@@ -161,7 +164,11 @@ def test_measure_acceptance_matches_drafting_by_hand(target) -> None:
     for i in range(14):
         st = target_hidden_states(target, [seq])
         cache = cache_upto(head, st.hidden[0], torch.tensor(seq + [0]), len(seq) - 2)
-        seq.append(int(head.draft([cache], 1)[0]) if i % 3 else (seq[-1] * 7 + 3) % target.config.vocab_size)
+        seq.append(
+            int(head.draft([cache], 1)[0])
+            if i % 3
+            else (seq[-1] * 7 + 3) % target.config.vocab_size
+        )
     states = target_hidden_states(target, [seq])
     start = 2
     result = measure_acceptance(head, states, [start], ks=(3, 5))
@@ -205,7 +212,11 @@ def test_rank_tokens_counts_first_then_ids() -> None:
     from inferd.train.draft_vocab import rank_tokens
 
     streams = [[9, 9, 9, 7, 7, 50], [7, 9, 12, 400]]  # 400: outside a vocabulary of 60
-    assert rank_tokens(streams, 60, 3).tolist() == [7, 9, 50]  # 9 and 7 most often; ties: first seen
+    assert rank_tokens(streams, 60, 3).tolist() == [
+        7,
+        9,
+        50,
+    ]  # 9 and 7 most often; ties: first seen
     assert rank_tokens(streams, 60, 6).tolist() == [0, 1, 7, 9, 12, 50]  # filled from id 0
     assert rank_tokens([], 5, 5).tolist() == [0, 1, 2, 3, 4]
     for bad in (0, 61):
@@ -213,21 +224,31 @@ def test_rank_tokens_counts_first_then_ids() -> None:
             rank_tokens(streams, 60, bad)
 
 
-
 def test_recipe_end_to_end_on_a_tiny_model(tiny_llama_hf, tmp_path) -> None:
     from inferd.train.train_eagle import EagleRecipe, train_eagle
 
     opts = TrainOptions(epochs=2, batch_size=4, unroll=2, log_every=0)
-    recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), num_prompts=6, num_questions=8,
-                         eval_prompts=10, max_tokens=12, intermediate_size=64,
-                         kv_cache_memory=8 << 20, draft_vocab_size=100, data_cache=False,
-                         train=opts)  # fmt: skip
+    recipe = EagleRecipe(
+        model=str(tiny_llama_hf.path),
+        out=str(tmp_path / "head"),
+        num_prompts=6,
+        num_questions=8,
+        eval_prompts=10,
+        max_tokens=12,
+        intermediate_size=64,
+        kv_cache_memory=8 << 20,
+        draft_vocab_size=100,
+        data_cache=False,
+        train=opts,
+    )
     report = train_eagle(recipe)
     acc = report["acceptance"]
     for k in (3, 5):
         assert 1.0 <= acc[f"k{k}_acceptance_length"] <= k + 1
         assert 1.0 <= acc["free_form"][f"k{k}_acceptance_length"] <= k + 1
-    assert report["eval_prompts"] == 10 and report["size_bytes"] > 0 and report["train_sequences"] == 6
+    assert (
+        report["eval_prompts"] == 10 and report["size_bytes"] > 0 and report["train_sequences"] == 6
+    )
     head = EagleHead.load(tmp_path / "head", target_model(tiny_llama_hf.path))
     assert head.intermediate_size == 64 and head.draft_vocab_size == 100
     assert json.loads((tmp_path / "head" / "train_report.json").read_text())["out"] == report["out"]
@@ -240,10 +261,20 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
     from inferd.train.train_eagle import EagleRecipe, train_eagle
 
     def recipe(out: str, lr: float, init: str | None = None) -> EagleRecipe:
-        return EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / out), num_prompts=6,
-                           num_questions=0, eval_prompts=4, max_tokens=8, intermediate_size=64,
-                           kv_cache_memory=8 << 20, draft_vocab_size=0, data_cache=False, init=init,
-                           train=TrainOptions(epochs=3, batch_size=6, unroll=2, lr=lr, log_every=0))  # fmt: skip
+        return EagleRecipe(
+            model=str(tiny_llama_hf.path),
+            out=str(tmp_path / out),
+            num_prompts=6,
+            num_questions=0,
+            eval_prompts=4,
+            max_tokens=8,
+            intermediate_size=64,
+            kv_cache_memory=8 << 20,
+            draft_vocab_size=0,
+            data_cache=False,
+            init=init,
+            train=TrainOptions(epochs=3, batch_size=6, unroll=2, lr=lr, log_every=0),
+        )
 
     first = recipe("first", 2e-2)
     first.feature_layers = ()  # a plain head, continued below as one that reads a lower layer
@@ -265,20 +296,24 @@ def test_recipe_continues_from_a_saved_head(tiny_llama_hf, tmp_path) -> None:
         train_eagle(bad)
 
 
-def test_recipe_rejects_feature_layers_the_target_lacks_before_generating(tiny_llama_hf, tmp_path, capsys) -> None:
+def test_recipe_rejects_feature_layers_the_target_lacks_before_generating(
+    tiny_llama_hf, tmp_path, capsys
+) -> None:
     from inferd.train.train_eagle import EagleRecipe, main, train_eagle
 
     n = target_model(tiny_llama_hf.path).config.num_layers
-    recipe = EagleRecipe(model=str(tiny_llama_hf.path), out=str(tmp_path / "head"), feature_layers=(0, n),
-                         data_cache=False)  # fmt: skip
+    recipe = EagleRecipe(
+        model=str(tiny_llama_hf.path),
+        out=str(tmp_path / "head"),
+        feature_layers=(0, n),
+        data_cache=False,
+    )
     with pytest.raises(ValueError, match=f"reads target layers \\[0, {n}\\]"):
         train_eagle(recipe)
     assert recipe.feature_layers == (0, n) and not (tmp_path / "head").exists()
     with pytest.raises(SystemExit):
         main(["--feature-layers", "2,x"])
     assert "not comma-separated layer numbers" in capsys.readouterr().err
-
-
 
 
 def test_the_data_cache_key_follows_the_data_seed_not_the_training_seed() -> None:

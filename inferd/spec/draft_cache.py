@@ -43,7 +43,10 @@ class DraftCache:
         need = self.end - self.lo + extra
         if need > len(self.k):
             cap = max(need, 2 * len(self.k))
-            grown_k, grown_v = self.k.new_empty((cap, *self.k.shape[1:])), self.v.new_empty((cap, *self.v.shape[1:]))
+            grown_k, grown_v = (
+                self.k.new_empty((cap, *self.k.shape[1:])),
+                self.v.new_empty((cap, *self.v.shape[1:])),
+            )
             used = self.end - self.lo
             grown_k[:used], grown_v[:used] = self.k[:used], self.v[:used]
             self.k, self.v = grown_k, grown_v
@@ -57,4 +60,3 @@ class DraftCache:
     def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.end - self.lo
         return self.k[:n], self.v[:n]
-

@@ -42,5 +42,7 @@ def load(directory: str | Path, vocab_size: int) -> torch.Tensor | None:
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{path}: unreadable draft vocabulary ({e})") from e
     if ids.dim() != 1 or ids.numel() == 0 or ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"{path}: draft vocabulary ids must be a non-empty 1-D list in [0, {vocab_size})")
+        raise ValueError(
+            f"{path}: draft vocabulary ids must be a non-empty 1-D list in [0, {vocab_size})"
+        )
     return ids.to(torch.long)

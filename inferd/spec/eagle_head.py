@@ -5,7 +5,8 @@ predicted feature back with the drafted token) drafts k tokens for the target to
 forward.
 
     x_t     = fc([norm_h(h_t), norm_e(embed(token_{t+1}))])
-    feature = out_norm(y + mlp(norm(y))),  y = x_t + attention(norm(x_t) at t; keys/values of x_0..x_t)
+    feature = out_norm(y + mlp(norm(y))),
+    y       = x_t + attention(norm(x_t) at t; keys/values of x_0..x_t)
 
 The one attention layer looks back over the whole sequence: the keys and values of every earlier
 position come from the target's true hidden states (a `DraftCache` the engine keeps per sequence,
@@ -48,6 +49,7 @@ from inferd.spec.draft_tree import SettledChains
 from inferd.spec.eagle_io import check_feature_layers, check_target, target_identity
 from inferd.spec.eagle_kernels import ALTERNATIVES
 
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, half-split layout ([x1, x2] -> [x1·c - x2·s, x2·c + x1·s]), in plain
     differentiable ops (training runs through it). cos, sin: [..., D/2], broadcast over heads."""
@@ -72,11 +74,19 @@ class EagleHead(nn.Module):
         feature_layers: tuple[int, ...] | list[int] = (),
     ) -> None:
         super().__init__()
-        if (hidden_size <= 0 or vocab_size <= 0 or num_heads <= 0 or num_kv_heads <= 0
-                or hidden_size % num_heads or num_heads % num_kv_heads
-                or (hidden_size // num_heads) % 2):  # fmt: skip
-            raise ValueError(f"bad draft head sizes: hidden {hidden_size}, vocab {vocab_size}, "
-                             f"heads {num_heads}, kv heads {num_kv_heads}")  # fmt: skip
+        if (
+            hidden_size <= 0
+            or vocab_size <= 0
+            or num_heads <= 0
+            or num_kv_heads <= 0
+            or hidden_size % num_heads
+            or num_heads % num_kv_heads
+            or (hidden_size // num_heads) % 2
+        ):
+            raise ValueError(
+                f"bad draft head sizes: hidden {hidden_size}, vocab {vocab_size}, "
+                f"heads {num_heads}, kv heads {num_kv_heads}"
+            )
         inter = intermediate_size or 2 * hidden_size
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -93,7 +103,9 @@ class EagleHead(nn.Module):
             # EAGLE-3's extra features: the outputs of lower target layers (each RMS-normalised),
             # projected and added to the final hidden state wherever the head reads the target's.
             # Zero at init: the head starts as the one without them.
-            self.feature_fc = nn.Linear(len(self.feature_layers) * hidden_size, hidden_size, bias=False)
+            self.feature_fc = nn.Linear(
+                len(self.feature_layers) * hidden_size, hidden_size, bias=False
+            )
             nn.init.zeros_(self.feature_fc.weight)
         self.attn_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.qkv = nn.Linear(hidden_size, num_heads * d + 2 * kv, bias=False)
@@ -106,7 +118,9 @@ class EagleHead(nn.Module):
         nn.init.normal_(self.o_proj.weight, std=0.02 / math.sqrt(2))
         nn.init.normal_(self.down.weight, std=0.02 / math.sqrt(2))
         # fp64, outside the module's buffers: `.to(dtype)` must not round it.
-        self.__dict__["_inv_freq"] = 1.0 / rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        self.__dict__["_inv_freq"] = 1.0 / rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.float64) / d
+        )
         # The bound target, outside the module tree: never saved, moved or trained with the head.
         self.__dict__["_target"] = None
         # (token ids [N], LM head over those rows) when drafting over a reduced vocabulary.
@@ -188,8 +202,9 @@ class EagleHead(nn.Module):
                 rows = eagle_kernels.draft_linear(picked)
                 self.__dict__["_exact_from"] = lm_head
             else:
-                rows = nn.Linear(picked.shape[1], len(ids), bias=False, device=picked.device,
-                                 dtype=picked.dtype).requires_grad_(False)  # fmt: skip
+                rows = nn.Linear(
+                    picked.shape[1], len(ids), bias=False, device=picked.device, dtype=picked.dtype
+                ).requires_grad_(False)
                 rows.weight.copy_(picked)
         self.__dict__["_draft_vocab"] = (ids.to(self.target.norm.weight.device), rows)
         self.__dict__["_fused"] = None
@@ -267,15 +282,25 @@ class EagleHead(nn.Module):
         e = embed(token_ids).to(dtype)
         return self.fc(torch.cat([self.hidden_norm(hidden.to(dtype)), self.embed_norm(e)], dim=-1))
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [..., 1, D/2] at `positions`, from a table computed in fp64 and grown (to the
         next power of two) as positions get larger: one lookup per step at inference."""
         table = self.__dict__.get("_rope_table")
         top = int(positions.max()) + 1 if positions.numel() else 1
-        if table is None or len(table[0]) < top or table[0].dtype != dtype or table[0].device != positions.device:
+        if (
+            table is None
+            or len(table[0]) < top
+            or table[0].dtype != dtype
+            or table[0].device != positions.device
+        ):
             size = 1 << max(top - 1, 255).bit_length()
             freqs = torch.arange(size, dtype=torch.float64).unsqueeze(-1) * self._inv_freq
-            table = (freqs.cos().to(dtype).to(positions.device), freqs.sin().to(dtype).to(positions.device))
+            table = (
+                freqs.cos().to(dtype).to(positions.device),
+                freqs.sin().to(dtype).to(positions.device),
+            )
             self.__dict__["_rope_table"] = table
         return table[0][positions].unsqueeze(-2), table[1][positions].unsqueeze(-2)
 
@@ -320,7 +345,9 @@ class EagleHead(nn.Module):
         if ext is not None and x.dim() == 2:
             eps = self.rms_norm_eps
             y, h = ext.add_rms_norm(x, self.o_proj(attn.flatten(-2)), self.mlp_norm.weight, eps)
-            return ext.add_rms_norm(y, self.down(ext.silu_mul(self.gate_up(h))), self.out_norm.weight, eps)[1]
+            return ext.add_rms_norm(
+                y, self.down(ext.silu_mul(self.gate_up(h))), self.out_norm.weight, eps
+            )[1]
         y = x + self.o_proj(attn.flatten(-2))
         gate, up = self.gate_up(self.mlp_norm(y)).chunk(2, dim=-1)
         return self.out_norm(y + self.down(F.silu(gate) * up))
@@ -410,15 +437,18 @@ class EagleHead(nn.Module):
         [B, k, A], probabilities [B, k, 1 + A], A = ALTERNATIVES): at each step the next A
         likeliest tokens after the drafted one, and the softmax probability (over the draft
         vocabulary when one is set) of the drafted token and of each, by which a draft tree ranks
-        its nodes (inferd.spec.draft_tree); the chains then stop once no deeper draft could be among any
-        chain's k likeliest nodes (`SettledChains`), so all three may hold fewer than k steps."""
+        its nodes (inferd.spec.draft_tree); the chains then stop once no deeper draft could be
+        among any chain's k likeliest nodes (`SettledChains`), so all three may hold fewer than k
+        steps."""
         greedy = not (return_logits or choose)
         assert greedy or not (alternatives or confidences), "alternatives, confidences: greedy only"
         assert not (alternatives and confidences), "alternatives or confidences, not both"
         if greedy and not alternatives and k > 0:
             fused = eagle_kernels.fused_weights(self)
             if fused is not None:
-                tokens, seconds, probs = eagle_kernels.draft_fused(self, fused, caches, k, confidences)
+                tokens, seconds, probs = eagle_kernels.draft_fused(
+                    self, fused, caches, k, confidences
+                )
                 return tokens, (seconds, probs) if confidences else None
         alts, seconds, probs = [], [], []
         settled = SettledChains(len(caches), k) if confidences else None
@@ -445,8 +475,17 @@ class EagleHead(nn.Module):
                 q = q.contiguous()
                 for i, c in enumerate(caches):
                     n = c.end - c.lo + step
-                    ext.paged_attention_short(q[i : i + 1], c.k.unsqueeze(0), c.v.unsqueeze(0), zero, one,
-                                              torch.tensor([n]), table, attn[i : i + 1], scale)  # fmt: skip
+                    ext.paged_attention_short(
+                        q[i : i + 1],
+                        c.k.unsqueeze(0),
+                        c.v.unsqueeze(0),
+                        zero,
+                        one,
+                        torch.tensor([n]),
+                        table,
+                        attn[i : i + 1],
+                        scale,
+                    )
             else:
                 outs = []
                 for i, c in enumerate(caches):  # one query per sequence over its own keys

@@ -59,15 +59,19 @@ def check_target(saved: dict[str, Any], target: nn.Module, where: str = "") -> N
     who = f"{where}: " if where else ""
     for key in ("hidden_size", "vocab_size", "num_layers", "architecture"):
         if key in saved and saved[key] != have[key]:
-            raise ValueError(f"{who}draft head was trained for {saved.get('name')!r} ({key} "
-                             f"{saved[key]}), the target model has {key} {have[key]}")  # fmt: skip
+            raise ValueError(
+                f"{who}draft head was trained for {saved.get('name')!r} ({key} "
+                f"{saved[key]}), the target model has {key} {have[key]}"
+            )
     if saved.get("fingerprint"):
         a, b = torch.tensor(saved["fingerprint"]), torch.tensor(have["fingerprint"])
         cos = F.cosine_similarity(a, b, dim=0).item() if a.shape == b.shape else -1.0
         if not cos >= FINGERPRINT_MIN_COSINE:
-            raise ValueError(f"{who}draft head was trained for {saved.get('name')!r}, not this "
-                             f"target model {have['name']!r} (embedding fingerprint differs: "
-                             f"cosine {cos:.3f})")  # fmt: skip
+            raise ValueError(
+                f"{who}draft head was trained for {saved.get('name')!r}, not this "
+                f"target model {have['name']!r} (embedding fingerprint differs: "
+                f"cosine {cos:.3f})"
+            )
 
 
 def check_feature_layers(layers: tuple[int, ...], num_layers: int) -> None:
@@ -76,7 +80,9 @@ def check_feature_layers(layers: tuple[int, ...], num_layers: int) -> None:
     if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
         raise ValueError(f"feature layers must be distinct, ascending and >= 0: {list(layers)}")
     if layers and layers[-1] >= num_layers:
-        raise ValueError(f"draft head reads target layers {list(layers)}; the target model has {num_layers}")
+        raise ValueError(
+            f"draft head reads target layers {list(layers)}; the target model has {num_layers}"
+        )
 
 
 def save_head(head: EagleHead, path: str | os.PathLike[str]) -> Path:
@@ -103,8 +109,9 @@ def load_head(
     root = Path(path).expanduser()
     cfg_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise ValueError(f"{root}: not a draft head directory (needs {CONFIG_FILE} and "
-                         f"{WEIGHTS_FILE})")  # fmt: skip
+        raise ValueError(
+            f"{root}: not a draft head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -112,11 +119,23 @@ def load_head(
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
         raise ValueError(f"{cfg_path}: not an inferd draft head config")
     if cfg.get("architecture") != ARCHITECTURE:
-        raise ValueError(f"{cfg_path}: draft head architecture {cfg.get('architecture')!r} "
-                         f"is not supported (this inferd reads {ARCHITECTURE!r})")  # fmt: skip
+        raise ValueError(
+            f"{cfg_path}: draft head architecture {cfg.get('architecture')!r} "
+            f"is not supported (this inferd reads {ARCHITECTURE!r})"
+        )
     try:
-        sizes = [cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads",
-                                  "intermediate_size", "rms_norm_eps", "rope_theta")]  # fmt: skip
+        sizes = [
+            cfg[k]
+            for k in (
+                "hidden_size",
+                "vocab_size",
+                "num_heads",
+                "num_kv_heads",
+                "intermediate_size",
+                "rms_norm_eps",
+                "rope_theta",
+            )
+        ]
         head = cls(*sizes, target=cfg.get("target"), feature_layers=cfg.get("feature_layers", ()))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{cfg_path}: incomplete draft head config ({e})") from e
@@ -131,9 +150,7 @@ def load_head(
         raise ValueError(f"{weights_path}: weights do not match {cfg_path} ({e})") from e
     ref = target_model.norm.weight  # the target's compute device and dtype
     head = (
-        head.to(device=device or ref.device, dtype=dtype or ref.dtype)
-        .eval()
-        .requires_grad_(False)
+        head.to(device=device or ref.device, dtype=dtype or ref.dtype).eval().requires_grad_(False)
     )
     head.bind(target_model)
     if head.fc.weight.dtype == torch.float32 and head.fc.weight.is_cpu:

@@ -1,9 +1,10 @@
 """The learned draft head at inference time on the CPU: its quantized layers and the C++ glue.
 
-`EagleHead.for_inference` swaps the head's training layers for the engine's (`use_inference_layers`);
-from then on a draft step runs the same C++ kernels as the target's decode step, and greedy chains
-run entirely in C++ (csrc/eagle_draft.h, `draft_fused`) where every weight is in a layout that
-chain reads. Without the kernels, the head's plain-op paths compute the same tokens.
+`EagleHead.for_inference` swaps the head's training layers for the engine's
+(`use_inference_layers`); from then on a draft step runs the same C++ kernels as the target's
+decode step, and greedy chains run entirely in C++ (csrc/eagle_draft.h, `draft_fused`) where
+every weight is in a layout that chain reads. Without the kernels, the head's plain-op paths
+compute the same tokens.
 
 These functions read and cache state the head keeps outside its module tree (`head.__dict__`:
 `_kernels`, `_draft_vocab`, `_exact_from`, `_fused`), which the head resets whenever its weights
@@ -80,11 +81,15 @@ def use_inference_layers(head: EagleHead, quantize: bool) -> None:
     # The draft step's elementwise ops and its attention as the target's decode step runs them
     # (csrc/layer_ops.h, paged_attention.h): one C++ call each instead of ~30 small ATen ops,
     # which at batch 1 would be most of a draft step's time.
-    head.__dict__["_kernels"] = extension() if weight.is_cpu and weight.dtype == torch.float32 else None
+    head.__dict__["_kernels"] = (
+        extension() if weight.is_cpu and weight.dtype == torch.float32 else None
+    )
     head.__dict__["_fused"] = None
 
 
-def runner_ups(scores: torch.Tensor, best: torch.Tensor, ext: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def runner_ups(
+    scores: torch.Tensor, best: torch.Tensor, ext: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's next ALTERNATIVES likeliest indices after `best` (each the first of the largest
     others left) [B, A] and the softmax probabilities of best and of them [B, 1 + A]:
     csrc/sampling_ops.h `runner_ups` (the C++ chain's, the same bits) when the kernels are there,
@@ -101,7 +106,9 @@ def runner_ups(scores: torch.Tensor, best: torch.Tensor, ext: Any = None) -> tup
     return idx[:, 1:], (scores.gather(1, idx) - lse).exp()
 
 
-def rescore_close(head: EagleHead, scores: torch.Tensor, feature: torch.Tensor, ids: torch.Tensor) -> None:
+def rescore_close(
+    head: EagleHead, scores: torch.Tensor, feature: torch.Tensor, ids: torch.Tensor
+) -> None:
     """In place: each row's scores within RESCORE_WITHIN of its max (at most RESCORE_MAX of them)
     replaced by the target's fp32 LM head's (csrc/eagle_draft.h `rescore_close`, the C++ chain's,
     the same bits; without the kernels, ATen's, equal within rounding)."""
@@ -110,7 +117,9 @@ def rescore_close(head: EagleHead, scores: torch.Tensor, feature: torch.Tensor, 
     x = feature.reshape(-1, feature.shape[-1]).contiguous()
     ext = head._kernels
     if ext is not None and scores.is_cpu:
-        ext.eagle_rescore_close(rows, x, ids.long().contiguous(), table, RESCORE_WITHIN, RESCORE_MAX)
+        ext.eagle_rescore_close(
+            rows, x, ids.long().contiguous(), table, RESCORE_WITHIN, RESCORE_MAX
+        )
         return
     top, at = rows.topk(min(RESCORE_MAX, rows.shape[-1]), dim=-1)
     close = top >= rows.max(-1, keepdim=True).values - RESCORE_WITHIN
@@ -137,27 +146,43 @@ def fused_weights(head: EagleHead) -> Any:
     def same_kernel(m: nn.Module) -> bool:
         # decoder::linear dispatches a quantized weight as quantized_matmul does; packed tiles
         # under fp32 activations are dequantised in Python instead, so not those.
-        return (isinstance(m, QuantizedLinear) and m.bias is None
-                and (m.qweight.layout == "rows" or int8))  # fmt: skip
+        return (
+            isinstance(m, QuantizedLinear)
+            and m.bias is None
+            and (m.qweight.layout == "rows" or int8)
+        )
 
     linears = [head.fc, head.qkv, head.o_proj, head.gate_up, head.down]
     if head._draft_vocab is not None:
         linears.append(head._draft_vocab[1])
     embed = head.target.embed_tokens if head._target is not None else None
     table = (isinstance(embed, Embedding) and embed.weight.dtype == torch.float32) or (
-        isinstance(embed, QuantizedEmbedding) and embed.dtype == torch.float32
-        and (embed.qweight.layout == "rows" or int8)  # fmt: skip
+        isinstance(embed, QuantizedEmbedding)
+        and embed.dtype == torch.float32
+        and (embed.qweight.layout == "rows" or int8)
     )
     if ext is not None and len(linears) == 6 and all(map(same_kernel, linears)) and table:
-        norms = [n.weight for n in (head.hidden_norm, head.embed_norm, head.attn_norm,
-                                    head.mlp_norm, head.out_norm)]  # fmt: skip
+        norms = [
+            n.weight
+            for n in (
+                head.hidden_norm,
+                head.embed_norm,
+                head.attn_norm,
+                head.mlp_norm,
+                head.out_norm,
+            )
+        ]
         kinds = [kernel_linear_weights(ext, m) for m in linears]
         exact = {}
         if head._exact_from is not None:
-            exact = {"exact": head._exact_from.weight.detach(), "exact_within": RESCORE_WITHIN,
-                     "exact_max": RESCORE_MAX}  # fmt: skip
-        fused = ext.EagleHeadWeights(norms, kinds, head._draft_vocab[0].long(),
-                                     kernel_linear_weights(ext, embed), **exact)  # fmt: skip
+            exact = {
+                "exact": head._exact_from.weight.detach(),
+                "exact_within": RESCORE_WITHIN,
+                "exact_max": RESCORE_MAX,
+            }
+        fused = ext.EagleHeadWeights(
+            norms, kinds, head._draft_vocab[0].long(), kernel_linear_weights(ext, embed), **exact
+        )
     head.__dict__["_fused"] = fused
     return fused or None
 
@@ -169,9 +194,15 @@ def fused_shape(head: EagleHead) -> Any:
         from inferd.quantization import formats
 
         ext = head._kernels
-        shape = ext.DecoderShape(head.num_heads, head.num_kv_heads, head.head_dim,
-                                 head.intermediate_size, head.rms_norm_eps, head.head_dim**-0.5,
-                                 formats.int8_activations_default(ext))  # fmt: skip
+        shape = ext.DecoderShape(
+            head.num_heads,
+            head.num_kv_heads,
+            head.head_dim,
+            head.intermediate_size,
+            head.rms_norm_eps,
+            head.head_dim**-0.5,
+            formats.int8_activations_default(ext),
+        )
         head.__dict__["_kernel_shape"] = shape
     return shape
 
@@ -188,6 +219,15 @@ def draft_fused(
     pos = torch.tensor(ends)
     cos, sin = head.rope_full_table(max(ends) + k, pos.device)  # reaching every chain position
     return head._kernels.eagle_draft_chains(
-        fused, fused_shape(head), x, pos, [c.k for c in caches], [c.v for c in caches],
-        [c.end - c.lo for c in caches], cos, sin, k, confidences,
-    )  # fmt: skip
+        fused,
+        fused_shape(head),
+        x,
+        pos,
+        [c.k for c in caches],
+        [c.v for c in caches],
+        [c.end - c.lo for c in caches],
+        cos,
+        sin,
+        k,
+        confidences,
+    )

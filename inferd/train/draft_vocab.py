@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     from inferd import LLM
     from inferd.train.eagle_data import generate_sequences, instructions
 
-    p = argparse.ArgumentParser(description="Write the frequency-ranked draft vocabulary of a trained head")
+    p = argparse.ArgumentParser(
+        description="Write the frequency-ranked draft vocabulary of a trained head"
+    )
     p.add_argument("--head", required=True, help="the draft head directory (train_eagle's --out)")
     p.add_argument("--model", default=None, help="the target (default model)")
     p.add_argument("--size", type=int, default=DEFAULT_SIZE)
@@ -49,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(a.model, verbose=False, max_num_seqs=128, kv_cache_memory=1 << 30)
     prompts = instructions("train", a.num_prompts)
     seqs, prompt_lens = generate_sequences(llm, prompts, a.max_tokens, [0.0] * len(prompts))
-    ids = rank_tokens([s[n:] for s, n in zip(seqs, prompt_lens)], llm.engine.model_config.vocab_size, a.size)
+    ids = rank_tokens(
+        [s[n:] for s, n in zip(seqs, prompt_lens)], llm.engine.model_config.vocab_size, a.size
+    )
     print(f"wrote {save(a.head, ids)} ({len(ids)} tokens)")
 
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inferd.engine.model_runner import allocate_kv_cache
 from inferd.layers.attention import AttentionMetadata, PrefillSlice
+
+if TYPE_CHECKING:
+    from inferd import LLM
 
 TEMPLATES = (
     "Explain {t} to a beginner.",
@@ -169,22 +173,28 @@ def clean_questions(texts: list[str], held_out: list[str]) -> list[str]:
     return out
 
 
-def self_instruct(llm, n: int, held_out: list[str], seed: int = 0) -> list[str]:
+def self_instruct(llm: LLM, n: int, held_out: list[str], seed: int = 0) -> list[str]:
     """Up to `n` distinct questions written by the target (`llm`: inferd.LLM), sampled at
     temperature 0.9 from `question_prompts`; see `clean_questions`."""
     from inferd.sampling.params import SamplingParams
 
     prompts = question_prompts(2 * n, seed)  # about half the replies are usable questions
     tok = llm.get_tokenizer()
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-                      add_special_tokens=False) for p in prompts]  # fmt: skip
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=48, seed=seed + i) for i in range(len(ids))]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    ids = [
+        tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+        for c in chats
+    ]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=48, seed=seed + i)
+        for i in range(len(ids))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
     return clean_questions([o.outputs[0].text for o in outs], held_out)[:n]
 
 
 def generate_sequences(
-    llm,
+    llm: LLM,
     prompts: list[str],
     max_tokens: int,
     temperatures: list[float],

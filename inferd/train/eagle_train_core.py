@@ -102,7 +102,10 @@ GREEDY_CANDIDATES = 8
 
 @torch.no_grad()
 def greedy_tokens(
-    hidden: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 1024, lm_bf16: torch.Tensor | None = None
+    hidden: torch.Tensor,
+    lm_weight: torch.Tensor,
+    chunk: int = 1024,
+    lm_bf16: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """argmax of the target's fp32 logits at each row of hidden [N, H] -> [N].
 
@@ -134,9 +137,12 @@ def prepare(
         raise ValueError("no sequence has 2 tokens")
     lm_bf16 = lm_weight.bfloat16() if autocast_dtype(precision, lm_weight.device) else None
     h = lm_weight.shape[1]  # the final hidden state: the rows' first H values
-    return SeqData([data.tokens[i] for i in keep], [data.hidden[i] for i in keep],
-                   [greedy_tokens(data.hidden[i][:, :h], lm_weight, lm_bf16=lm_bf16) for i in keep],
-                   [prompt_lens[i] for i in keep])  # fmt: skip
+    return SeqData(
+        [data.tokens[i] for i in keep],
+        [data.hidden[i] for i in keep],
+        [greedy_tokens(data.hidden[i][:, :h], lm_weight, lm_bf16=lm_bf16) for i in keep],
+        [prompt_lens[i] for i in keep],
+    )
 
 
 def pad_batch(seqs: list[torch.Tensor], fill: float | int = 0) -> torch.Tensor:
@@ -250,8 +256,10 @@ def train_head(
         losses.append(loss.item())
         if opts.log_every and (step % opts.log_every == 0 or step == total_steps - 1):
             accs = " ".join(f"{stats[f'acc{j}']:.2f}" for j in range(1, opts.unroll + 1))
-            log(f"step {step + 1}/{total_steps} loss {loss.item():.4f} top-1 per step {accs} "
-                f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+            log(
+                f"step {step + 1}/{total_steps} loss {loss.item():.4f} top-1 per step {accs} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
     head.eval()
     return losses
 
@@ -281,13 +289,20 @@ def verification_steps(accepted: list[int], start: int, length: int, k: int) -> 
 
 
 @torch.no_grad()
-def chain_drafts(head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+def chain_drafts(
+    head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, k: int
+) -> torch.Tensor:
     """drafts[t, j] [T - 1, k]: the j + 1-th token a chain drafting from position t proposes, as
     long as the chain's earlier drafts were right (after a wrong one, the row is meaningless; the
     acceptance never reads it). The head's bound target embeds and scores, as in the engine."""
     device = head.target.norm.weight.device
-    feats = forward_levels(head, hidden[None].to(device), tokens[None].to(device),
-                           torch.tensor([len(tokens)], device=device), k)  # fmt: skip
+    feats = forward_levels(
+        head,
+        hidden[None].to(device),
+        tokens[None].to(device),
+        torch.tensor([len(tokens)], device=device),
+        k,
+    )
     t1 = len(tokens) - 1
     out = torch.full((t1, k), -1, dtype=torch.long)
     for level, f in enumerate(feats):

@@ -37,7 +37,7 @@ def forward_levels(
     pos = torch.arange(t1, device=hidden.device)
     positions = pos.expand(b, t1)
     key_ok = pos[None, :] < (lengths[:, None] - 1)  # [B, T-1] a real position with a next token
-    scale = head.head_dim ** -0.5
+    scale = head.head_dim**-0.5
     group = head.num_heads // head.num_kv_heads
     feats: list[torch.Tensor] = []
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per level: [B, T-1, KVH, D] each
@@ -78,4 +78,3 @@ def forward_levels(
         feats.append(feature)
         prev = feature
     return feats
-
