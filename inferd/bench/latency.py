@@ -4,6 +4,11 @@ For inferd and each peer on the same prompts: prefill time (and FLOP/s achieved)
 latency (mean, p50, p90, p99), decode tokens/s, achieved GB/s of weights + KV read and FLOP/s, each
 next to the ceilings `inferd bench roofline` measures in the same run. Batch 1 is the gpt-fast
 question: how close to the memory-bandwidth limit does one stream decode?
+
+Prefill is compute-bound: it is judged against the matmul peak, the fastest native path of this
+CPU (fp32, bf16, int8, ...; the report names it), whatever precision the engine ran. Decode is
+bandwidth-bound: each engine's bytes per step are what that engine reads (its own weight format
+and KV dtype: `engine_costs`), against the matrix-vector bandwidth over as many bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -24,6 +31,7 @@ from inferd.bench.roofline import (
     engine_step_cost,
     matvec_n_for,
     measure_roofline,
+    step_cost,
 )
 from inferd.config import KV_CACHE_DTYPES
 from inferd.engine_args import parse_bytes
@@ -60,6 +68,7 @@ def summarize(
         "prefill_tps": round(batch * input_len / prefill_s, 1),
         "prefill_gflops": round(prefill_gflops, 3),
         "prefill_pct_of_matmul_peak": round(100 * prefill_gflops / roof.matmul_gflops, 1),
+        "decode_mb_per_step": round(cost.decode_step([input_len + 1] * batch)[0] / 1e6, 2),
         "decode_step_ms": {
             k: round(med(r["decode_step_ms"][k] for r in per_run), 2)
             for k in ("mean", "p50", "p90", "p99")
@@ -72,14 +81,49 @@ def summarize(
     }
 
 
+def ceiling_line(name: str, r: dict, roof: Roofline) -> str:
+    """One engine's prefill and decode against the ceilings they are fractions of, named."""
+    return (f"{name} prefill: {r['prefill_pct_of_matmul_peak']:.1f} % of {roof.describe_peak()}; "
+            f"decode: {r['decode_pct_of_matvec_bw']:.1f} % of matrix-vector bandwidth "
+            f"({roof.matvec_gbps:.1f} GB/s), {r['decode_mb_per_step']:.1f} MB read per "
+            "step")  # fmt: skip
+
+
+def engine_costs(engine, cost: StepCost, llama_gguf: Path | None) -> dict[str, StepCost]:
+    """What each engine reads per step. inferd: `cost` (its weights as stored, its KV dtype). HF:
+    the model dequantised to fp32, fp32 KV. llama.cpp: its GGUF copy's tensors, fp16 KV (its
+    default). The FLOPs are the model's, the same for all."""
+    cfg = engine.model_config
+    hf = step_cost(engine.runner.model, cfg.kv_bytes_per_token(torch.float32), bytes_per_weight=4)
+    costs = {"inferd": cost, "hf": hf}
+    if llama_gguf is not None:
+        kv_f16 = cfg.kv_bytes_per_token(torch.float16)
+        costs["llama.cpp"] = replace(
+            cost, weight_bytes=gguf_step_bytes(llama_gguf), kv_bytes_per_token=kv_f16
+        )
+    return costs
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of a GGUF file's tensors one forward pass reads: all of them but an untied token
+    embedding, of which a step only looks up rows."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in sizes:
+        sizes.pop("token_embd.weight", None)
+    return sum(sizes.values())
+
+
 def _print_table(report: dict) -> None:
-    print(f"\n{'engine':<10} {'prefill s':>9} {'GFLOP/s':>8} {'step p50':>9} {'p90':>7} {'p99':>7} "
-          f"{'tok/s':>7} {'GB/s':>6} {'% bw':>5} {'GFLOP/s':>8}")  # fmt: skip
+    print(f"\n{'engine':<10} {'prefill s':>9} {'GFLOP/s':>8} {'step p50':>9} {'p90':>7} "
+          f"{'p99':>7} {'tok/s':>7} {'GB/s':>6} {'% bw':>5} {'GFLOP/s':>8}")  # fmt: skip
     for name, r in report["engines"].items():
         s = r["decode_step_ms"]
         print(f"{name:<10} {r['prefill_s']:>9.3f} {r['prefill_gflops']:>8.1f} {s['p50']:>7.1f}ms "
-              f"{s['p90']:>5.1f}ms {s['p99']:>5.1f}ms {r['decode_tps']:>7.1f} {r['decode_gbps']:>6.1f} "
-              f"{r['decode_pct_of_matvec_bw']:>5.1f} {r['decode_gflops']:>8.1f}")  # fmt: skip
+              f"{s['p90']:>5.1f}ms {s['p99']:>5.1f}ms {r['decode_tps']:>7.1f} "
+              f"{r['decode_gbps']:>6.1f} {r['decode_pct_of_matvec_bw']:>5.1f} "
+              f"{r['decode_gflops']:>8.1f}")  # fmt: skip
 
 
 def run_latency(args: argparse.Namespace) -> dict:
@@ -90,8 +134,8 @@ def run_latency(args: argparse.Namespace) -> dict:
 
     b, n_in, n_out = args.batch_size, args.input_len, args.output_len
     if b < 1 or n_in < 1 or n_out < 2 or args.runs < 1:
-        raise ValueError("--batch-size, --input-len and --runs must be ≥ 1 and --output-len ≥ 2 "
-                         "(a decode step needs a token after the first)")  # fmt: skip
+        raise ValueError("--batch-size, --input-len and --runs must be ≥ 1 and --output-len "
+                         "≥ 2 (a decode step needs a token after the first)")  # fmt: skip
     wanted = parse_peers(args.peers)
     sampled = args.temperature > 0
     if sampled and wanted:  # the peers' runs are greedy: a sampled inferd would not be comparable
@@ -117,10 +161,10 @@ def run_latency(args: argparse.Namespace) -> dict:
     # or DRAM) sets how fast they can stream.
     matvec_n = matvec_n_for(cost.weight_bytes, engine.dtype)
     roof = measure_roofline(engine.dtype, matvec_n=matvec_n, budget_s=1.5)
-    print(f"torch threads {torch.get_num_threads()}; batch {b}, {n_in} prompt tokens, {n_out} new "
-          f"tokens, median of {args.runs} runs; ceilings: matrix-vector {roof.matvec_gbps:.1f} GB/s, "
-          f"matmul {roof.matmul_gflops:.1f} GFLOP/s; {cost.weight_bytes / 1e6:.1f} MB of weights "
-          f"per step", file=sys.stderr)  # fmt: skip
+    print(f"torch threads {torch.get_num_threads()}; batch {b}, {n_in} prompt tokens, {n_out} "
+          f"new tokens, median of {args.runs} runs; ceilings: matrix-vector "
+          f"{roof.matvec_gbps:.1f} GB/s, {roof.describe_peak()}; "
+          f"{cost.weight_bytes / 1e6:.1f} MB of weights per step", file=sys.stderr)  # fmt: skip
     runs: dict[str, list[Timed]] = {"inferd": []}
     peers.inferd_generate_timed(engine, prompts[:1], 4)  # warm-up (kernels built, pages touched)
     notes: list[str] = []
@@ -149,13 +193,15 @@ def run_latency(args: argparse.Namespace) -> dict:
         print(note, file=sys.stderr)
     # Engines interleave run by run: load from other jobs on the machine hits all of them alike.
     for i in range(args.runs):
-        runs["inferd"].append(peers.inferd_generate_timed(engine, prompts, n_out, args.temperature, args.top_p))
+        runs["inferd"].append(
+            peers.inferd_generate_timed(engine, prompts, n_out, args.temperature, args.top_p)
+        )
         if hf_model is not None:
             runs["hf"].append(peers.hf_generate_timed(hf_model, prompts, n_out, pad))
         if llama is not None:
             runs["llama.cpp"].append(llama.generate_timed(prompts[0], n_out))
-        print(f"run {i + 1}: " + ", ".join(f"{k} {v[-1].decode_tps * b:.1f} tok/s" for k, v in runs.items()),
-              file=sys.stderr)  # fmt: skip
+        rates = ", ".join(f"{k} {v[-1].decode_tps * b:.1f} tok/s" for k, v in runs.items())
+        print(f"run {i + 1}: {rates}", file=sys.stderr)
     if llama is not None:
         llama.close()
     # Ceilings measured again after the runs; each is the better of the two: a ceiling caught at a
@@ -166,7 +212,9 @@ def run_latency(args: argparse.Namespace) -> dict:
             b * roof.matvec_gbps * 1e9 / cost.decode_step([n_in] * b)[0], 1
         ),
         "compute_limit_tps": round(roof.matmul_gflops * 1e9 / cost.linear_flops_per_token, 1),
+        "compute_limit_path": roof.peak.name,
     }
+    costs = engine_costs(engine, cost, llama.path if llama is not None else None)
     report: dict = {
         "bench": "latency", "model": str(path), "quantization": args.quantization,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
@@ -175,16 +223,20 @@ def run_latency(args: argparse.Namespace) -> dict:
         **cpu_kernels_report(), "roofline": roof.as_dict(),
         "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
-        "notes": notes, "engines": {k: summarize(v, cost, roof, b, n_in) for k, v in runs.items()},
+        "notes": notes,
+        "engines": {k: summarize(v, costs[k], roof, b, n_in) for k, v in runs.items()},
     }  # fmt: skip
     base = report["engines"]["inferd"]["decode_tps"]
     report["inferd_pct_of_bandwidth_limit"] = round(100 * base / limits["bandwidth_limit_tps"], 1)
-    report["ratio_inferd_vs"] = {k: round(base / r["decode_tps"], 2)
-                                 for k, r in report["engines"].items() if k != "inferd"}  # fmt: skip
+    report["ratio_inferd_vs"] = {
+        k: round(base / r["decode_tps"], 2) for k, r in report["engines"].items() if k != "inferd"
+    }
     _print_table(report)
+    for name, r in report["engines"].items():
+        print(ceiling_line(name, r, roof))
+    ratios = ", ".join(f"{k} {v}×" for k, v in report["ratio_inferd_vs"].items()) or "no peer"
     print(f"bandwidth limit at batch {b}: {limits['bandwidth_limit_tps']} tok/s (inferd at "
-          f"{report['inferd_pct_of_bandwidth_limit']}%); inferd decode vs "
-          + (", ".join(f"{k} {v}×" for k, v in report["ratio_inferd_vs"].items()) or "no peer"))  # fmt: skip
+          f"{report['inferd_pct_of_bandwidth_limit']}%); inferd decode vs {ratios}")  # fmt: skip
     print(json.dumps(report))
     return report
 
@@ -206,8 +258,10 @@ def add_latency_parser(sub) -> None:
         help="KV pool size (e.g. 1GiB; default: what the batch needs, 256 MiB at least)",
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="inferd's KV storage (auto: the model dtype; llama.cpp keeps fp16)")  # fmt: skip
+                   help="inferd's KV storage (auto: the model dtype; llama.cpp keeps "
+                        "fp16)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample at this temperature instead of greedy (inferd only: --peers none)")  # fmt: skip
+                   help="sample at this temperature instead of greedy (inferd only: "
+                        "--peers none)")  # fmt: skip
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
     p.set_defaults(func=run_latency)

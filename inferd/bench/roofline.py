@@ -1,28 +1,32 @@
 """`inferd bench roofline`: the machine's own ceilings, and what a model's step costs against them.
 
-Three ceilings, measured in the model's dtype (gpt-fast style: print what the hardware allows next
-to what was achieved):
-- copy bandwidth: `dst.copy_(src)` over buffers far larger than the caches; bytes read + written.
-- matrix-vector weight bandwidth: a [n, n] @ [n] product, weight bytes / time (in fp32 the faster
-  of at::mv and inferd's own streaming kernel, csrc/dense_gemv.h: MKL's reached 26 GB/s on an
-  AVX-512 EPYC where the fp32 decode step read its weights at ~46). This is what
-  batch-1 decode does, so it is the bandwidth ceiling decode is judged against. The matrix is as
-  large as the weights it stands for (`inferd bench latency` passes the model's bytes per step;
-  alone, twice the last-level cache): a fixed 4096² (64 MB) one sat in a 260 MB L3 and read at
-  ~49 GB/s, while 538 MB of fp32 weights stream from DRAM at ~30.
-- matmul FLOP/s: a square [n, n] @ [n, n] product, 2·n³ / time: the compute ceiling of prefill
-  and large-batch decode. In fp32 the faster of at::mm (MKL) and oneDNN from a packed weight (what
-  inferd's many-row `Linear` runs): on an AVX-512 EPYC MKL reached 218 GFLOP/s and oneDNN ~500, and
-  a ceiling below what the engine itself reaches would flatter it.
+Three ceilings (gpt-fast style: print what the hardware allows next to what was achieved):
+- copy bandwidth, in the model's dtype: `dst.copy_(src)` over buffers far larger than the caches;
+  bytes read + written.
+- matrix-vector weight bandwidth, in the model's dtype: a [n, n] @ [n] product, weight bytes /
+  time; in fp32 the faster of at::mv and inferd's own streaming kernel (csrc/dense_gemv.h), since
+  a BLAS gemv can stream well below what the engine's decode reaches. This is what batch-1 decode
+  does, so it is the bandwidth ceiling decode is judged against. The matrix is as large as the
+  weights it stands for (`inferd bench latency` passes the model's bytes per step; alone, twice
+  the last-level cache): whether they stream from a cache or from DRAM sets the rate.
+- matmul peak: 2·m·n·k / time of square products, on every path this CPU runs natively
+  (`matmul_candidates`): fp32 always; bf16 / fp16 only with native instructions (AVX512-BF16,
+  AVX512-FP16, AMX), since an emulated one is never the fastest; int8 with VNNI or AMX. Each path
+  is timed with the op the engine runs for it where there is one (oneDNN from a packed weight for
+  fp32 prefill, the int8 VNNI tiles for quantized prefill, at::linear for bf16 / fp16) and with
+  torch's own op for that dtype, and keeps the faster. The peak is the fastest path of all: prefill
+  in any precision is judged against the best this CPU can do, never against a slower path than
+  the one it ran (a ceiling below what the engine reaches would flatter it).
 
-Each is the best of several timed repeats (a ceiling is an upper bound; noise only lowers it).
-`StepCost` counts, from the built model, the weight bytes and FLOPs a forward pass needs, so
+Each figure is the best of several timed repeats (a ceiling is an upper bound; noise only lowers
+it). `StepCost` counts, from the built model, the weight bytes and FLOPs a forward pass needs, so
 achieved GB/s and FLOP/s follow from a measured step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from inferd.kernels.build import cpu_flags
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.layers import onednn_linear
 
@@ -40,29 +45,63 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True, slots=True)
+class MatmulPath:
+    """One precision's matmul rate on this CPU: `name` is dtype and instruction set
+    ("int8-VNNI"), `op` the call that reached `gflops` (2·m·n·k / s)."""
+
+    name: str
+    op: str
+    gflops: float
+
+
+@dataclass(frozen=True, slots=True)
 class Roofline:
-    dtype: str
+    dtype: str  # of the copy and matrix-vector ceilings
     threads: int
     copy_gbps: float  # (read + written) bytes / s of a large tensor copy
     matvec_gbps: float  # weight bytes / s of an [n, n] @ [n] product
-    matmul_gflops: float  # 2·n³ / s of an [n, n] @ [n, n] product
+    matmul: tuple[MatmulPath, ...]  # every native path measured, one per name
+
+    @property
+    def peak(self) -> MatmulPath:
+        """The fastest matmul path: the compute ceiling of prefill and large-batch decode."""
+        return max(self.matmul, key=lambda p: p.gflops)
+
+    @property
+    def matmul_gflops(self) -> float:
+        return self.peak.gflops
 
     def as_dict(self) -> dict:
-        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        d = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()
+             if k != "matmul"}  # fmt: skip
+        d["matmul_gflops"] = round(self.peak.gflops, 2)
+        d["matmul_peak_path"] = self.peak.name
+        d["matmul_paths"] = {
+            p.name: {"gflops": round(p.gflops, 2), "op": p.op} for p in self.matmul
+        }
+        return d
+
+    def describe_peak(self) -> str:
+        """The peak a prefill fraction is a fraction of: "int8-VNNI matmul peak (859.3 GFLOP/s)"."""
+        return f"{self.peak.name} matmul peak ({self.peak.gflops:.1f} GFLOP/s)"
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
-    """The fastest of `repeats` calls (after one warm-up), stopping early past `budget_s`."""
+def _best_seconds(
+    fn: Callable[[], object], repeats: int, budget_s: float, min_s: float = 0.0
+) -> float:
+    """The fastest call (after one warm-up): at least `repeats` calls and `min_s` seconds, at
+    most `budget_s` seconds (a slow op stops early)."""
     fn()
     best = float("inf")
-    deadline = time.perf_counter() + budget_s
-    for _ in range(repeats):
+    start = time.perf_counter()
+    calls = 0
+    while True:
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > deadline:
-            break
-    return best
+        t1 = time.perf_counter()
+        best, calls = min(best, t1 - t0), calls + 1
+        if t1 - start > budget_s or (calls >= repeats and t1 - start >= min_s):
+            return best
 
 
 def _time_copy(n: int, dtype: torch.dtype, repeats: int, budget_s: float) -> float:
@@ -98,6 +137,82 @@ def _time_op(
     return _best_seconds(lambda: op(a, b), repeats, budget_s)
 
 
+def native_paths(flags: set[str]) -> dict[str, str]:
+    """dtype → the path name of each precision this CPU multiplies natively (its /proc/cpuinfo
+    flags): fp32 always; bf16, fp16 and int8 only with instructions of their own."""
+    paths = {"fp32": "fp32"}
+    if "amx_bf16" in flags:
+        paths["bf16"] = "bf16-AMX"
+    elif "avx512_bf16" in flags:
+        paths["bf16"] = "bf16-AVX512"
+    if "amx_fp16" in flags:
+        paths["fp16"] = "fp16-AMX"
+    elif "avx512_fp16" in flags:
+        paths["fp16"] = "fp16-AVX512"
+    if "amx_int8" in flags:
+        paths["int8"] = "int8-AMX"
+    elif flags & {"avx512_vnni", "avx_vnni"}:
+        paths["int8"] = "int8-VNNI"
+    return paths
+
+
+Candidate = tuple[str, str, Callable[[], object]]  # (path name, op, call)
+
+
+def matmul_candidates(n: int, flags: set[str] | None = None) -> list[Candidate]:
+    """(path name, op, call) of each [n, n] @ [n, n] product to time on this CPU (`flags`: its
+    /proc/cpuinfo flags). An op that fails to run here (a build without it) is left out."""
+    flags = set(cpu_flags().split()) if flags is None else flags
+    paths = native_paths(flags)
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    out: list[Candidate] = [("fp32", "at::mm", lambda: torch.mm(a, w))]
+    if onednn_linear.available():  # what inferd's `Linear` runs above its own kernels' rows
+        packed = onednn_linear.pack(w)
+        out.append(("fp32", "oneDNN packed", lambda: onednn_linear.linear_packed(a, packed)))
+    for dtype, half in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if dtype in paths:  # oneDNN takes AMX where the CPU has it
+            ah, wh = a.to(half), w.to(half)
+            call = functools.partial(torch.nn.functional.linear, ah, wh)
+            out.append((paths[dtype], "at::linear", call))
+    if "int8" in paths:
+        ext = cpu_kernels()
+        if ext is not None and ext.has_int8_gemm:  # quantized prefill: x rounded to int8 per call
+            from inferd.quantization.formats import quantize_int8_blocks
+
+            q = quantize_int8_blocks(w)
+            tiles = ext.pack_int8_tiles(q.data, q.scales, q.mins, q.group)
+            call = functools.partial(ext.tiles_linear, a, *tiles, True)
+            out.append(("int8-VNNI", "inferd int8 tiles", call))
+        ai = torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=gen)
+        wi = torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=gen)
+        out.append((paths["int8"], "torch._int_mm", lambda: torch._int_mm(ai, wi)))
+    runnable = []
+    for name, op, call in out:
+        try:
+            call()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            continue
+        runnable.append((name, op, call))
+    return runnable
+
+
+def measure_matmul(
+    n: int = 1024, repeats: int = 10, budget_s: float = 3.0, flags: set[str] | None = None
+) -> tuple[MatmulPath, ...]:
+    """Each native path's best rate over [n/2]² and [n]² products (the smaller one fits in the
+    quiet moments of a loaded machine, the larger keeps many cores busy); per path the faster of
+    its ops. Each op is timed for `budget_s` / 8 to / 4 seconds."""
+    best: dict[str, MatmulPath] = {}
+    for size in sorted({max(64, n // 2), n}):
+        for name, op, call in matmul_candidates(size, flags):
+            t = _best_seconds(call, repeats, budget_s / 4, min_s=budget_s / 8)
+            path = MatmulPath(name, op, 2 * size**3 / t / 1e9)
+            if name not in best or path.gflops > best[name].gflops:
+                best[name] = path
+    return tuple(best.values())
+
+
 def measure_roofline(
     dtype: torch.dtype = torch.float32,
     copy_mib: int = 256,
@@ -106,8 +221,8 @@ def measure_roofline(
     repeats: int = 10,
     budget_s: float = 3.0,
 ) -> Roofline:
-    """Measure the three ceilings; ~`3 × budget_s` seconds at most (bf16 matmul on CPUs without
-    native bf16 is slow: the budget bounds it). `matvec_n` None: twice the last-level cache."""
+    """Measure the ceilings: copy and matrix-vector in `dtype`, each native matmul path.
+    `matvec_n` None: twice the last-level cache."""
     elem = torch.empty((), dtype=dtype).element_size()
     if matvec_n is None:
         matvec_n = matvec_n_for(2 * last_level_cache_bytes(), dtype)
@@ -118,24 +233,24 @@ def measure_roofline(
     if ext is not None:
         t_mv = min(t_mv, _time_op(ext.dense_linear, (1, matvec_n), (matvec_n, matvec_n), dtype,
                                   repeats * 5, budget_s))  # fmt: skip
-    t_mm = _time_op(torch.mm, (matmul_n, matmul_n), (matmul_n, matmul_n), dtype, repeats, budget_s)
-    if dtype == torch.float32 and onednn_linear.available():
-        w = onednn_linear.pack(torch.randn(matmul_n, matmul_n))
-        t_mm = min(t_mm, _time_op(lambda a, _: onednn_linear.linear_packed(a, w), (matmul_n, matmul_n),
-                                  (1,), dtype, repeats, budget_s))  # fmt: skip
     return Roofline(
         dtype=str(dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         copy_gbps=2 * n_copy * elem / t_copy / 1e9,
         matvec_gbps=matvec_n * matvec_n * elem / t_mv / 1e9,
-        matmul_gflops=2 * matmul_n**3 / t_mm / 1e9,
+        matmul=measure_matmul(matmul_n, repeats, budget_s),
     )
 
 
 def best_of(a: Roofline, b: Roofline) -> Roofline:
-    """Each ceiling at its higher measurement (noise from other jobs only ever lowers one)."""
+    """Each ceiling, and each matmul path, at its higher measurement (noise from other jobs only
+    ever lowers one)."""
+    paths = {p.name: p for p in a.matmul}
+    for p in b.matmul:
+        if p.name not in paths or p.gflops > paths[p.name].gflops:
+            paths[p.name] = p
     return Roofline(a.dtype, a.threads, max(a.copy_gbps, b.copy_gbps),
-                    max(a.matvec_gbps, b.matvec_gbps), max(a.matmul_gflops, b.matmul_gflops))  # fmt: skip
+                    max(a.matvec_gbps, b.matvec_gbps), tuple(paths.values()))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +287,11 @@ class StepCost:
         return sum(prompt_lens) * self.linear_flops_per_token + attn
 
 
-def step_cost(model: nn.Module, kv_bytes_per_token: int) -> StepCost:
+def step_cost(
+    model: nn.Module, kv_bytes_per_token: int, bytes_per_weight: float | None = None
+) -> StepCost:
+    """The model's `StepCost` with its weights as stored, or at `bytes_per_weight` for every
+    matmul weight (what a peer that holds the same model in another precision reads per step)."""
     from inferd.layers.linear import Linear
     from inferd.layers.norm import RMSNorm
     from inferd.layers.quantized_linear import QuantizedLinear
@@ -194,6 +313,8 @@ def step_cost(model: nn.Module, kv_bytes_per_token: int) -> StepCost:
         else:
             continue
         linear_flops += 2 * out_f * in_f
+        if bytes_per_weight is not None:
+            nbytes = round(out_f * in_f * bytes_per_weight)
         if key not in seen:  # the same matrix in two modules is still one read per step
             seen.add(key)
             weight_bytes += nbytes
@@ -204,9 +325,12 @@ def step_cost(model: nn.Module, kv_bytes_per_token: int) -> StepCost:
 
 
 def engine_step_cost(engine) -> StepCost:
-    """The `StepCost` of an `EngineCore`'s model in its compute dtype."""
-    model = engine.runner.model
-    return step_cost(model, engine.model_config.kv_bytes_per_token(engine.dtype))
+    """The `StepCost` of an `EngineCore`'s model as it runs: weights as stored, KV in the
+    engine's `--kv-cache-dtype` (scales included)."""
+    from inferd.kv.kv_cache import kv_bytes_per_token
+
+    kv = kv_bytes_per_token(engine.model_config, engine.dtype, engine.config.cache.kv_cache_dtype)
+    return step_cost(engine.runner.model, kv)
 
 
 def run_roofline(args: argparse.Namespace) -> dict:
@@ -215,8 +339,10 @@ def run_roofline(args: argparse.Namespace) -> dict:
     roof = measure_roofline(_DTYPES[args.dtype], copy_mib=args.copy_mib, matvec_n=args.matvec_n,
                             matmul_n=args.matmul_n, budget_s=args.budget_s)  # fmt: skip
     report: dict = {"roofline": roof.as_dict()}
-    print(f"{roof.dtype}, {roof.threads} threads: copy {roof.copy_gbps:.1f} GB/s · "
-          f"matrix-vector {roof.matvec_gbps:.1f} GB/s of weights · matmul {roof.matmul_gflops:.1f} GFLOP/s")  # fmt: skip
+    paths = ", ".join(f"{p.name} {p.gflops:.1f} ({p.op})" for p in roof.matmul)
+    print(f"{roof.dtype}, {roof.threads} threads: copy {roof.copy_gbps:.1f} GB/s · matrix-vector "
+          f"{roof.matvec_gbps:.1f} GB/s of weights · {roof.describe_peak()}; matmul GFLOP/s by "
+          f"path: {paths}")  # fmt: skip
     if args.model_limits:
         from inferd import LLM
 
@@ -227,35 +353,38 @@ def run_roofline(args: argparse.Namespace) -> dict:
         m = report["model"]
         print(f"model ({args.quantization}): {m['weight_mb']:.1f} MB of weights read and "
               f"{m['mflop_per_token']:.1f} MFLOP per token → batch-1 bandwidth limit "
-              f"{m['bandwidth_limit_tps']:.1f} tok/s, compute limit {m['compute_limit_tps']:.1f} tok/s")  # fmt: skip
+              f"{m['bandwidth_limit_tps']:.1f} tok/s, compute limit "
+              f"{m['compute_limit_tps']:.1f} tok/s ({m['compute_limit_path']})")  # fmt: skip
     print(json.dumps(report))
     return report
 
 
 def model_limits(cost: StepCost, roof: Roofline) -> dict:
-    """Batch-1 decode bound by weight reads, and large-batch throughput bound by matmul FLOP/s
+    """Batch-1 decode bound by weight reads, and large-batch throughput bound by the matmul peak
     (attention over a short context left out: both are ceilings)."""
     return {
         "weight_mb": round(cost.weight_bytes / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1),
         "bandwidth_limit_tps": round(roof.matvec_gbps * 1e9 / cost.weight_bytes, 1),
         "compute_limit_tps": round(roof.matmul_gflops * 1e9 / cost.linear_flops_per_token, 1),
+        "compute_limit_path": roof.peak.name,
     }
 
 
 def add_roofline_parser(sub) -> None:
-    p = sub.add_parser(
-        "roofline", help="the machine's copy / matrix-vector bandwidth and matmul FLOP/s"
-    )
+    p = sub.add_parser("roofline", help="the machine's copy / matrix-vector bandwidth and the "
+                       "matmul rate of each native path")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--copy-mib", type=int, default=256)
     p.add_argument("--matvec-n", type=int, default=None,
-                   help="matrix-vector size (default: twice the last-level cache)")
-    p.add_argument("--matmul-n", type=int, default=1024)
+                   help="matrix-vector size (default: twice the last-level cache)")  # fmt: skip
+    p.add_argument("--matmul-n", type=int, default=1024,
+                   help="matmul peak over [n/2]² and [n]² products")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds per measurement at most")
     p.add_argument("--model-limits", action="store_true",
-                   help="also load --model and print its bandwidth / compute limits in tokens/s")  # fmt: skip
+                   help="also load --model and print its bandwidth / compute limits "
+                        "in tokens/s")  # fmt: skip
     p.add_argument("--model", default=None)
     p.add_argument("--quantization", "-q", default="none", help="of --model (--model-limits)")
     p.set_defaults(func=run_roofline)
