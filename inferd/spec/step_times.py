@@ -35,7 +35,8 @@ class StepTimes:
         self._ratios: dict[tuple[int, int], deque[float]] = {}
         self._medians: dict[tuple[int, int], float] = {}
         self._prev: tuple[int, int, float] | None = None  # the last step: (batch, rows, seconds)
-        self._since_plain: dict[int, int] = {}  # decode steps at a batch size since its last plain one
+        # Decode steps at each batch size since its last plain one.
+        self._since_plain: dict[int, int] = {}
 
     def record(self, batch_size: int, extra_rows: int | None, seconds: float) -> None:
         """A step's forward: `batch_size` decoding sequences with `extra_rows` rows each beyond
@@ -44,10 +45,14 @@ class StepTimes:
         if extra_rows is None or batch_size > MAX_BATCH or seconds <= 0:
             return
         self._prev = (batch_size, extra_rows, seconds)
-        self._since_plain[batch_size] = 0 if extra_rows == 0 else self._since_plain.get(batch_size, 0) + 1
+        self._since_plain[batch_size] = (
+            0 if extra_rows == 0 else self._since_plain.get(batch_size, 0) + 1
+        )
         if prev is None or prev[0] != batch_size or (prev[1] == 0) == (extra_rows == 0):
             return  # a pair needs one plain step and one verification at the same batch size
-        (j, t_rows), t_plain = ((extra_rows, seconds), prev[2]) if prev[1] == 0 else ((prev[1], prev[2]), seconds)
+        (j, t_rows), t_plain = (
+            ((extra_rows, seconds), prev[2]) if prev[1] == 0 else ((prev[1], prev[2]), seconds)
+        )
         key = (batch_size, j)
         self._ratios.setdefault(key, deque(maxlen=_WINDOW)).append(t_rows / t_plain)
         self._medians.pop(key, None)
@@ -64,4 +69,6 @@ class StepTimes:
 
     def wants_reference(self, batch_size: int) -> bool:
         """Whether this step should be a plain one (no drafts), to pair with its neighbours."""
-        return batch_size <= MAX_BATCH and self._since_plain.get(batch_size, 0) >= self.reference_every
+        return (
+            batch_size <= MAX_BATCH and self._since_plain.get(batch_size, 0) >= self.reference_every
+        )
