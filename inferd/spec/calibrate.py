@@ -68,7 +68,8 @@ def measure_verify_cost(
                 break
             while len(seqs) < size:
                 tokens = torch.randint(vocab_size, (context + k,), generator=gen).tolist()
-                seq = Sequence("calibration", 0, tokens[:context], context, SamplingParams(max_tokens=None))
+                params = SamplingParams(max_tokens=None)
+                seq = Sequence("calibration", 0, tokens[:context], context, params)
                 if not kv.allocate_slots(seq.seq_id, 0, context + k):
                     kv.free(seq.seq_id)
                     return costs, leaf_costs  # the pool is smaller than this batch: as measured

@@ -339,7 +339,8 @@ class SpecPolicy:
         looked_at = min(num_accepted + 1, num_drafts)
         state.accepted = _DECAY * state.accepted + num_accepted
         state.tried = _DECAY * state.tried + looked_at
-        # Across sequences, decayed per verification: what recent drafts of this proposer were worth.
+        # Across sequences, decayed per verification: what recent drafts of this proposer were
+        # worth.
         self._seen_accepted = _SHARED_DECAY * self._seen_accepted + num_accepted
         self._seen_tried = _SHARED_DECAY * self._seen_tried + looked_at
 
