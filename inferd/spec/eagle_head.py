@@ -5,8 +5,8 @@ predicted feature back with the drafted token) drafts k tokens for the target to
 forward.
 
     x_t     = fc([norm_h(h_t), norm_e(embed(token_{t+1}))])
-    feature = out_norm(y + mlp(norm(y))),
     y       = x_t + attention(norm(x_t) at t; keys/values of x_0..x_t)
+    feature = out_norm(y + mlp(norm(y)))
 
 The one attention layer looks back over the whole sequence: the keys and values of every earlier
 position come from the target's true hidden states (a `DraftCache` the engine keeps per sequence,
