@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from inferd.kernels.quant_gemm import extension
@@ -87,6 +86,54 @@ def test_add_rms_norm_is_the_add_then_the_norm():
     assert torch.equal(total, x + delta)
     assert torch.equal(normed, ext.rms_norm(x + delta, w, 1e-5))
 
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_rms_norm_kernel_follows_the_weight():
+    """The kernel is chosen from the weight at the first call, and again after a cast; input of
+    another dtype than an fp32 weight gets HF's upcasting formula."""
+    torch.manual_seed(4)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    assert norm.backend is None
+    x = torch.randn(3, 64)
+    y = norm(x)
+    assert norm.backend.name == ("cpu" if extension() is not None else "cpu-composite")
+    if extension() is not None:
+        assert torch.equal(y, extension().rms_norm(x, norm.weight, 1e-6))
+    xb = x.bfloat16()
+    assert torch.equal(norm(xb), _hf_rms_norm(xb, norm.weight, 1e-6))
+    norm.to(torch.bfloat16)
+    assert norm.backend is None
+    assert torch.equal(norm(xb), _hf_rms_norm(xb, norm.weight, 1e-6))
+    assert norm.backend.name == "upcast"
+
+
+def test_linear_kernel_follows_the_weight():
+    """fp32 on the CPU takes the engine's kernels (or oneDNN / at::linear without them); after a
+    cast to bf16 the layer runs at::linear."""
+    from inferd.layers import onednn_linear
+    from inferd.layers.linear import Linear
+
+    torch.manual_seed(5)
+    lin = Linear(48, 24, bias=True)
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(lin.bias)
+    x = torch.randn(5, 48)
+    y = lin(x)
+    if extension() is not None:
+        assert lin.backend.name == "cpu-dense"
+        assert torch.equal(y, extension().dense_linear(x, lin.weight, lin.bias))
+    else:
+        assert lin.backend.name == ("onednn" if onednn_linear.available() else "torch")
+    lin.to(torch.bfloat16)
+    assert lin.backend is None
+    xb = x.bfloat16()
+    assert torch.equal(lin(xb), F.linear(xb, lin.weight, lin.bias))
+    assert lin.backend.name == "torch"
 
 @needs_kernels
 def test_argmax_rows_is_torch_argmax():

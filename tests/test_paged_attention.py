@@ -198,3 +198,48 @@ def test_kernel_row_bits_do_not_depend_on_the_step(hq, hkv, d):
         if p >= 2:
             assert torch.equal(run([p - 2, p - 1, p], p + 1)[2], alone), p
         assert torch.equal(run([p], p + 1, with_other=True)[0], alone), p
+
+
+def test_backend_selection_follows_device_dtype_and_kernels():
+    fp32 = attention.select_attention_backend(CPU, torch.float32, 64)
+    assert fp32.name == ("cpu" if extension() is not None else "torch")
+    assert fp32.kernel is extension()
+    bf16 = attention.select_attention_backend(CPU, torch.bfloat16, 64)
+    assert bf16.name == "torch" and bf16.kernel is None
+    forced = attention.select_attention_backend(CPU, torch.float32, 64, "torch")
+    assert forced.name == "torch" and forced.kernel is None
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention.select_attention_backend(CPU, torch.float32, 64, "flash")
+    with pytest.raises(ValueError, match="does not run"):
+        attention.select_attention_backend(CPU, torch.bfloat16, 64, "cpu")
+
+
+@pytest.mark.skipif(extension() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("d", [64, 32])  # the causal kernel's head size, and SDPA's for the rest
+def test_long_chunks_agree_across_backends(d):
+    """Two long chunks, one without earlier context (its own keys, plain causal) and one after 50
+    cached tokens (keys from the cache, shifted causal): the "cpu" backend's causal kernel and
+    the "torch" backend's SDPA give the same attention, and the same cache writes."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, bs = 9, 3, 16
+    k_cache = torch.randn(12, bs, hkv, d, generator=g)
+    v_cache = torch.randn(12, bs, hkv, d, generator=g)
+    table_a, table_b = torch.tensor([3, 7, 1]), torch.tensor([9, 0, 5, 11, 2, 8])
+    n_a, ctx_b, n_b = 40, 50, 35
+    pos_b = torch.arange(ctx_b, ctx_b + n_b)
+    slots = torch.cat([table_a[torch.arange(n_a) // bs] * bs + torch.arange(n_a) % bs,
+                       table_b[pos_b // bs] * bs + pos_b % bs])  # fmt: skip
+    mask_b = torch.arange(ctx_b + n_b).unsqueeze(0) <= pos_b.unsqueeze(1)
+    prefills = [attention.PrefillSlice(0, n_a, n_a, table_a, None),
+                attention.PrefillSlice(n_a, n_a + n_b, ctx_b + n_b, table_b, mask_b)]  # fmt: skip
+    meta = AttentionMetadata(slots, bs, None, prefills)
+    t = n_a + n_b
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    outs, caches = {}, {}
+    for name in ("cpu", "torch"):
+        backend = attention.select_attention_backend(CPU, torch.float32, d, name)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs[name] = backend.forward(q, k, v, kc, vc, meta, d**-0.5)
+        caches[name] = (kc, vc)
+    torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(caches["cpu"], caches["torch"]))

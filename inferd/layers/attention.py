@@ -1,141 +1,65 @@
-"""Paged attention over a ragged batch: new K/V go into the block pool through a slot mapping,
-attention reads every sequence's context back through its block table.
+"""Attention over a step's ragged batch (the plan: inferd/layers/attention_plan.py), through a
+backend chosen once at load.
 
-Three shapes cover every scheduler choice, each sequence's by its own query length only (with int8
-activations, a path that depended on the rest of the step would make its tokens depend on it too):
-- the kernel group: decodes and speculative verification (<= 9 query rows, the model runner's
-  KERNEL_MAX_QUERY) go to the C++ paged kernel, which reads K/V in place, one sequence per task;
-- a padded group: other short queries (short prompts and prefill chunks; every short query where
-  the kernel cannot be built) run as ONE attention call: queries padded to [B, Hq, Qmax, D], keys gathered from their blocks to
-  [B, Hkv, L, D], one mask [B, 1, Qmax, L] that is causal, shifted by each sequence's context, and
-  cut at its length. Per-sequence Python work would otherwise dominate steps of many short prompts.
-- long prefill chunks run one sequence at a time (padding them would waste more than it saves):
-  with no earlier context, keys come straight from the chunk under a plain causal mask; otherwise
-  from the cache under the shifted causal mask (chunked prefill, prefix-cache hits, recomputation).
-The masks and index tensors are built once per step (`AttentionMetadata`) and shared by all layers.
+An `AttentionBackend` owns every kernel choice attention makes: which kernel takes the kernel
+group's short queries, which takes long prefill chunks. The model's layers call its `forward`
+and nothing else; `select_attention_backend` picks it from the device, the dtype and whether the
+C++ kernels build here, and `ATTENTION_BACKENDS` names every backend:
+- "cpu" (fp32 on the CPU with the C++ kernels): short queries through the paged kernel
+  (csrc/paged_attention.h), which reads K/V in place, codes included; long chunks through the
+  causal kernel (csrc/prefill_attention.h) at head size 64, ~2x ATen's CPU flash attention, whose
+  small gemms are MKL's; SDPA at other head sizes.
+- "torch" (anywhere else): PyTorch's SDPA; no short-query kernel, so the runner puts every short
+  query in the padded group.
+Both run the padded group alike: one gather + SDPA call, or cascade attention when its sequences
+share a prefix (the plan says which).
 
 A quantized cache (`--kv-cache-dtype int8|fp8`, inferd/kv/kv_cache.py) arrives as `QuantizedKV`:
-K/V are quantized as they are written and dequantized as they are read (the C++ kernel reads the
-codes in place). A float16 / bfloat16 cache is a plain tensor narrower than the queries: K/V are
-rounded as written and widened as read. Either way a chunk without earlier context attends to its
-own K/V *as stored*, so every path sees the same values whatever the chunking.
-
-When every sequence of a padded group starts with the same cached blocks (prefix-cache hits: one
-system prompt, a shared document), the group runs as cascade attention (`SharedPrefix`): the shared
-keys are attended once for all queries, each sequence's own keys in a small padded call, and the two
-partial softmaxes merge exactly through their log-sum-exps.
+K/V are quantized as they are written and dequantized as they are read. A float16 / bfloat16
+cache is a plain tensor narrower than the queries: K/V are rounded as written and widened as
+read. Either way a chunk without earlier context attends to its own K/V *as stored*, so every
+path sees the same values whatever the chunking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from abc import ABC, abstractmethod
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import LayerKV, QuantizedKV
+from inferd.layers.attention_plan import (
+    CASCADE_MIN_SHARED_TOKENS,
+    FLASH_ATTENTION_CPU,
+    AttentionMetadata,
+    PaddedGroup,
+    PrefillSlice,
+    SharedPrefix,
+    shared_prefix,
+)
 
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "CASCADE_MIN_SHARED_TOKENS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CpuKernelAttention",
+    "PaddedGroup",
+    "PrefillSlice",
+    "SharedPrefix",
+    "TorchAttention",
+    "paged_attention",
+    "select_attention_backend",
+    "shared_prefix",
+]
 
-@dataclass(slots=True)
-class PrefillSlice:
-    start: int  # [start, end) rows of the flat token batch
-    end: int
-    context_len: int  # tokens in the cache after this step, including this chunk
-    block_table: torch.Tensor  # [num_blocks_for_context] int64
-    # [q_len, context_len] bool (True = may attend); None when the chunk has no earlier context,
-    # in which case keys come straight from this chunk with a plain causal mask.
-    mask: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class SharedPrefix:
-    """Leading blocks that every sequence of a padded group shares, all before any of its queries.
-
-    Key positions [0, P * block_size) come from `blocks` for everyone; a sequence's keys from
-    P * block_size on come from its row of `rest_tables`. Gathering the shared keys once instead of
-    once per sequence, and scoring all queries against them in one mask-free call (one large matrix
-    product instead of B small ones), is what the split saves."""
-
-    blocks: torch.Tensor  # [P] int64
-    rest_tables: torch.Tensor  # [B, R] int64 (padding points at block 0, masked)
-    # [B, 1, q_max, R * block_size] float: 0 where query i of sequence b may see rest key j, -inf
-    # elsewhere. Padded query rows (i >= q_len) see rest key 0 at least (never an all -inf row,
-    # whose softmax is NaN); their output is dropped.
-    mask: torch.Tensor
-
-
-# Cascade only pays when the shared part is long enough to outweigh a second attention call.
-CASCADE_MIN_SHARED_TOKENS = 128
-# The exact split needs each part's log-sum-exp: PyTorch's CPU flash kernel returns it.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def shared_prefix(
-    seqs: list[tuple[int, int, list[int]]], q_max: int, block_size: int, device: torch.device
-) -> SharedPrefix | None:
-    """The cascade plan for a padded group of (q_len, context after the step, block table), or None
-    when its sequences share too little (or the device has no LSE-returning attention kernel)."""
-    if len(seqs) < 2 or device.type != "cpu" or _FLASH_CPU is None:
-        return None
-    first = seqs[0][2]
-    # Only blocks wholly before every sequence's first query: those hold no key written this step.
-    shared = min((ctx - n) // block_size for n, ctx, _ in seqs)
-    for _, _, table in seqs[1:]:
-        k = 0
-        while k < shared and table[k] == first[k]:
-            k += 1
-        shared = k
-    if shared * block_size < CASCADE_MIN_SHARED_TOKENS:
-        return None
-    rest = [table[shared:] for _, _, table in seqs]
-    width = max(len(t) for t in rest)
-    padded = [t + [0] * (width - len(t)) for t in rest]
-    tables = torch.tensor(padded, dtype=torch.long, device=device)
-    q_len = torch.tensor([n for n, _, _ in seqs], device=device).view(-1, 1, 1)
-    ctx = torch.tensor([c for _, c, _ in seqs], device=device).view(-1, 1, 1)
-    i = torch.arange(q_max, device=device).view(1, -1, 1)
-    j = torch.arange(width * block_size, device=device).view(1, 1, -1)
-    # Query i sits at position ctx - q_len + i; rest key j at shared * block_size + j.
-    visible = (j + shared * block_size <= ctx - q_len + i) | ((i >= q_len) & (j == 0))
-    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-    first_blocks = torch.tensor(first[:shared], dtype=torch.long, device=device)
-    return SharedPrefix(blocks=first_blocks, rest_tables=tables, mask=mask.unsqueeze(1))
-
-
-@dataclass(slots=True)
-class PaddedGroup:
-    """Sequences attended in one call. Query row i of sequence b sits at padded position
-    b * q_max + i; `padded_index[k]` is where flat-batch row `token_rows[k]` goes."""
-
-    token_rows: torch.Tensor  # [N] int64 rows of the flat batch
-    padded_index: torch.Tensor  # [N] int64 positions in the [B * q_max] padded layout
-    block_tables: torch.Tensor  # [B, max_blocks] int64 (padding points at block 0, masked)
-    mask: torch.Tensor | None  # [B, 1, q_max, max_blocks * block_size] bool (SDPA path only)
-    q_max: int
-    is_whole_batch: bool  # rows are exactly 0..T-1 in padded order (pure decode): no scatter
-    # For the C++ kernel (reads K/V in place; None: use the gather + SDPA path):
-    kernel: ModuleType | None = None
-    row_start: torch.Tensor | None = None  # [B] first flat row of each sequence
-    q_lens: torch.Tensor | None = None  # [B]
-    ctx_lens: torch.Tensor | None = None  # [B] tokens in the cache after this step
-    shared: SharedPrefix | None = None  # cascade attention plan (SDPA path only)
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: flat slot (block * block_size + offset) per new token
-    block_size: int
-    group: PaddedGroup | None  # the padded SDPA group (cascade attention when a prefix is shared)
-    prefills: list[PrefillSlice]
-    # Sequences whose queries the C++ kernel takes (decodes, 1 + k verification rows): chosen by
-    # each sequence's own query length, so its path never depends on the rest of the step.
-    kernel_group: PaddedGroup | None = None
-    # Rows whose K/V also go to a second slot: the keys a draft-tree leaf's scratch block repeats
-    # (inferd/engine/model_runner.py). None when the step has no leaves.
-    mirror_rows: torch.Tensor | None = None
-    mirror_slots: torch.Tensor | None = None
+# The head size csrc/prefill_attention.h is built for.
+PREFILL_KERNEL_HEAD_DIM = 64
 
 
 def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,7 +70,9 @@ def _gather(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> torch.T
     return cache.index_select(0, blocks).to(dtype)
 
 
-def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> torch.Tensor:
+def _cascade_attention(
+    q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup, scale: float
+) -> torch.Tensor:
     """The padded group's attention split at its shared prefix; returns [N, Hq, D] for its rows.
     (The flash kernel maps query heads onto their kv head itself: no repeated K/V.)"""
     sp = g.shared
@@ -157,7 +83,7 @@ def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> tor
     # 1) Every query against the shared keys: one copy of them, one call, no mask.
     kp = _gather(k_cache, sp.blocks, q.dtype).view(1, -1, n_kv, d).transpose(1, 2)  # [1, Hkv, S, D]
     vp = _gather(v_cache, sp.blocks, q.dtype).view(1, -1, n_kv, d).transpose(1, 2)
-    o1, lse1 = _FLASH_CPU(rows.transpose(0, 1).unsqueeze(0), kp, vp, scale=scale)
+    o1, lse1 = FLASH_ATTENTION_CPU(rows.transpose(0, 1).unsqueeze(0), kp, vp, scale=scale)
     # 2) Each sequence's queries against its own later keys, padded to [B, Hq, q_max, D] (no
     # padding when every sequence has q_max queries: the padded layout is then the rows' own).
     uniform = rows.shape[0] == b * g.q_max
@@ -168,7 +94,7 @@ def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> tor
     flat = sp.rest_tables.view(-1)
     ks = _gather(k_cache, flat, q.dtype).view(b, width * block_size, n_kv, d).transpose(1, 2)
     vs = _gather(v_cache, flat, q.dtype).view(b, width * block_size, n_kv, d).transpose(1, 2)
-    o2, lse2 = _FLASH_CPU(qs, ks, vs, attn_mask=sp.mask, scale=scale)
+    o2, lse2 = FLASH_ATTENTION_CPU(qs, ks, vs, attn_mask=sp.mask, scale=scale)
     o2 = o2.transpose(1, 2).reshape(b * g.q_max, n_heads, d)
     lse2 = lse2.transpose(1, 2).reshape(b * g.q_max, n_heads)
     if not uniform:
@@ -179,7 +105,10 @@ def _cascade_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float) -> tor
     return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2).unsqueeze(-1).to(o1.dtype))
 
 
-def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, gqa: bool):
+def _padded_group_attention(
+    q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup, scale: float, gqa: bool
+) -> torch.Tensor:
+    """The padded group's rows [N, Hq, D] (all T rows in order when `g.is_whole_batch`)."""
     if g.shared is not None:
         return _cascade_attention(q, k_cache, v_cache, g, scale)
     _, block_size, n_kv, d = k_cache.shape
@@ -191,9 +120,11 @@ def _padded_group_attention(q, k_cache, v_cache, g: PaddedGroup, scale: float, g
     if g.is_whole_batch:
         qp = q
     else:
-        qp = q.new_zeros(b * g.q_max, n_heads, d).index_copy_(0, g.padded_index, q.index_select(0, g.token_rows))
+        rows = q.index_select(0, g.token_rows)
+        qp = q.new_zeros(b * g.q_max, n_heads, d).index_copy_(0, g.padded_index, rows)
     qp = qp.view(b, g.q_max, n_heads, d).transpose(1, 2)  # [B, Hq, Qmax, D]
-    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale,
+                                       enable_gqa=gqa)  # fmt: skip
     o = o.transpose(1, 2).reshape(b * g.q_max, n_heads, d)
     return o if g.is_whole_batch else o.index_select(0, g.padded_index)
 
@@ -206,74 +137,191 @@ def _write(cache: LayerKV, slots: torch.Tensor, x: torch.Tensor) -> None:
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: LayerKV,  # [num_blocks, block_size, Hkv, D]
-    v_cache: LayerKV,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
-    _, block_size, n_kv, d = k_cache.shape
-    quantized = isinstance(k_cache, QuantizedKV)
-    if meta.mirror_rows is not None:  # before the writes below replace k and v by what is stored
-        _write(k_cache, meta.mirror_slots, k.index_select(0, meta.mirror_rows))
-        _write(v_cache, meta.mirror_slots, v.index_select(0, meta.mirror_rows))
-    if quantized:
-        k = k_cache.write(meta.slot_mapping, k)
-        v = v_cache.write(meta.slot_mapping, v)
-    else:
-        if k_cache.dtype != k.dtype:  # a 2-byte cache: round once, attend to what is stored
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    gqa = q.shape[1] != n_kv
+class AttentionBackend(ABC):
+    """One layer's attention over a step: `forward` stores the step's K/V, then attends each part
+    of the plan (kernel group, padded group, long chunks) with this backend's kernels. Stateless
+    past construction: one instance serves every layer."""
 
-    out = None
-    kg = meta.kernel_group
-    if kg is not None:
-        out = torch.empty_like(q)
-        if quantized:
-            kg.kernel.paged_attention_short_quant(
+    name: ClassVar[str]
+    # The C++ extension whose paged kernel takes the kernel group's short queries; None: the
+    # backend has none, and the runner forms no kernel group (nor can the fused decode step run).
+    kernel: ModuleType | None = None
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this backend's kernels run for a model of `dtype` on `device` here."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: LayerKV,  # [num_blocks, block_size, Hkv, D]
+        v_cache: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        _, block_size, n_kv, d = k_cache.shape
+        if meta.mirror_rows is not None:  # before k and v are replaced by what is stored
+            _write(k_cache, meta.mirror_slots, k.index_select(0, meta.mirror_rows))
+            _write(v_cache, meta.mirror_slots, v.index_select(0, meta.mirror_rows))
+        if isinstance(k_cache, QuantizedKV):
+            k = k_cache.write(meta.slot_mapping, k)
+            v = v_cache.write(meta.slot_mapping, v)
+        else:
+            if k_cache.dtype != k.dtype:  # a 2-byte cache: round once, attend to what is stored
+                k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        gqa = q.shape[1] != n_kv
+        out = None
+        kg = meta.kernel_group
+        if kg is not None:
+            out = torch.empty_like(q)
+            self.short_queries(q, k_cache, v_cache, kg, out, scale)
+            if meta.group is None and not meta.prefills:
+                return out
+        g = meta.group
+        if g is not None:
+            o = _padded_group_attention(q, k_cache, v_cache, g, scale, gqa)
+            if g.is_whole_batch:
+                return o
+            out = (torch.empty_like(q) if out is None else out).index_copy_(0, g.token_rows, o)
+        elif out is None:
+            out = torch.empty_like(q)
+        for p in meta.prefills:
+            if p.mask is None:  # no earlier context: the chunk's own keys, plain causal
+                kp, vp = k[p.start : p.end], v[p.start : p.end]
+            else:  # after cached context: every key of the sequence, causal shifted by the context
+                n = p.block_table.numel()
+                kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
+                vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
+                kp, vp = kp[: p.context_len], vp[: p.context_len]
+            self.chunk(q[p.start : p.end], kp, vp, p.mask, out[p.start : p.end], scale)
+        return out
+
+    def short_queries(
+        self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
+        out: torch.Tensor, scale: float,
+    ) -> None:  # fmt: skip
+        """The kernel group's rows of `out` [T, Hq, D], K/V read from the cache."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no short-query kernel")
+
+    def chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        out: torch.Tensor, scale: float,
+    ) -> None:  # fmt: skip
+        """One long chunk: q [n, Hq, D] against k, v [S, Hkv, D] (S >= n, the chunk's queries
+        last) under `mask` [n, S] (None: plain causal), into `out` [n, Hq, D]."""
+        qp = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        gqa = q.shape[1] != k.shape[1]
+        sdpa = F.scaled_dot_product_attention
+        if mask is None:
+            o = sdpa(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = sdpa(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out.copy_(o.squeeze(0).transpose(0, 1))
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Make `cls` selectable by its `name`."""
+    ATTENTION_BACKENDS[cls.name] = cls
+    return cls
+
+
+@register
+class CpuKernelAttention(AttentionBackend):
+    """fp32 on the CPU: the C++ paged kernel for short queries, the causal kernel for long chunks
+    at its head size (SDPA at others)."""
+
+    name = "cpu"
+
+    def __init__(self, head_dim: int) -> None:
+        self.kernel = cpu_kernels()
+        if self.kernel is None:
+            raise RuntimeError("the CPU kernels are not available here")
+        if head_dim == PREFILL_KERNEL_HEAD_DIM:
+            self.chunk = self._chunk_kernel  # type: ignore[method-assign]
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
+
+    def short_queries(
+        self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
+        out: torch.Tensor, scale: float,
+    ) -> None:  # fmt: skip
+        if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
+            self.kernel.paged_attention_short_quant(
                 q.contiguous(), k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
-                k_cache.fmt.kernel_code, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables,
+                k_cache.fmt.kernel_code, g.row_start, g.q_lens, g.ctx_lens, g.block_tables,
                 out, scale,
             )  # fmt: skip
         else:
-            kg.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, kg.row_start, kg.q_lens,
-                                            kg.ctx_lens, kg.block_tables, out, scale)  # fmt: skip
-        if meta.group is None and not meta.prefills:
-            return out
-    g = meta.group
-    if g is not None:
-        o = _padded_group_attention(q, k_cache, v_cache, g, scale, gqa)
-        if g.is_whole_batch:
-            return o
-        out = (torch.empty_like(q) if out is None else out).index_copy_(0, g.token_rows, o)
-    elif out is None:
-        out = torch.empty_like(q)
+            self.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start,
+                                              g.q_lens, g.ctx_lens, g.block_tables, out,
+                                              scale)  # fmt: skip
 
-    # Long chunks: inferd's causal kernel where it runs (fp32 on the CPU, head size 64), ~2x ATen's
-    # CPU flash attention, whose small gemms are MKL's; SDPA elsewhere.
-    ext = cpu_kernels() if meta.prefills and q.is_cpu and q.dtype == torch.float32 and d == 64 else None
-    for p in meta.prefills:
-        if p.mask is None:  # no earlier context: the chunk's own keys, plain causal
-            kp, vp = k[p.start : p.end], v[p.start : p.end]
-        else:  # after cached context: every key of the sequence, causal shifted by the context
-            n = p.block_table.numel()
-            kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
-            vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)[: p.context_len]
-        if ext is not None:
-            ext.prefill_attention(q[p.start : p.end], kp, vp, out[p.start : p.end], scale)
-            continue
-        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
-        if p.mask is None:
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-        out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-    return out
+    def _chunk_kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+        out: torch.Tensor, scale: float,
+    ) -> None:  # fmt: skip
+        # The kernel's causal mask is the chunk's queries last among the keys: `mask` says that.
+        self.kernel.prefill_attention(q, k, v, out, scale)
+
+
+@register
+class TorchAttention(AttentionBackend):
+    """PyTorch's SDPA for everything (CUDA, bf16 / fp16, no C++ compiler, the reference the
+    kernels are tested against)."""
+
+    name = "torch"
+
+    def __init__(self, head_dim: int) -> None:
+        del head_dim  # SDPA takes any
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return True
+
+
+# First supported wins.
+_PREFERENCE = ("cpu", "torch")
+
+
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None
+) -> AttentionBackend:
+    """The backend `name` names, or the first of "cpu", "torch" that runs for a model of
+    `dtype` on `device` here."""
+    if name is None:
+        name = next(n for n in _PREFERENCE if ATTENTION_BACKENDS[n].supports(device, dtype))
+    cls = ATTENTION_BACKENDS.get(name)
+    if cls is None:
+        known = ", ".join(ATTENTION_BACKENDS)
+        raise ValueError(f"unknown attention backend {name!r} (known: {known})")
+    if not cls.supports(device, dtype):
+        raise ValueError(f"attention backend {name!r} does not run {dtype} on {device.type} here")
+    return cls(head_dim)
+
+
+@functools.cache
+def _default_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    return select_attention_backend(device, dtype, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """`AttentionBackend.forward` of the backend selected for q's device, dtype and head size:
+    for callers holding no model (tests, tools). Returns [T, Hq, D]."""
+    backend = _default_backend(q.device, q.dtype, q.shape[-1])
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)

@@ -1,10 +1,131 @@
-"""RMSNorm, computed in fp32 whatever the weight dtype (as HF does)."""
+"""RMSNorm, computed in fp32 whatever the weight dtype (as HF does).
+
+The kernel is chosen once, from the weight's device and dtype and what this machine has
+(`select_norm_backend`), at the first call after construction or a move / cast (`Module.to`); the
+same contract as `Linear`'s (inferd/layers/linear.py). The fp32 kernels take fp32 input only: any
+other input gets the upcasting formula, as a non-fp32 weight does.
+"""
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, Self
 
 import torch
 
 from inferd.kernels.quant_gemm import extension as cpu_kernels
+
+
+class NormBackend(ABC):
+    """How an `RMSNorm` normalises: `forward(norm, x)` over x's last dimension."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        """Whether this backend runs a norm with `weight` here."""
+
+    @abstractmethod
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def _upcast(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """HF's formula: normalised in fp32, rounded to x's dtype, then scaled by the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * x.to(dtype)
+
+
+def _composite(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """fp32 in 5 PyTorch ops, the bits of ATen's CPU torch.rms_norm (no fused kernel there: a
+    composite of 12 ops, pow, mean = sum + div_, add_, rsqrt, 2 mul, 6 dtype casts; x * x is what
+    pow(x, 2) computes), at about half its cost per call."""
+    v = (x * x).mean(-1, keepdim=True)
+    return (x * v.add_(norm.eps).rsqrt_()).mul_(norm.weight)
+
+
+class CpuKernelNorm(NormBackend):
+    """fp32 on the CPU with the C++ kernels: one loop per row (csrc/layer_ops.h), the op the
+    fused decode step runs, so both paths give the same bits; rows that are no 2-D unit-stride
+    matrix go through the 5-op composite."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.ext = cpu_kernels()
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        return weight.is_cpu and weight.dtype == torch.float32 and cpu_kernels() is not None
+
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return _upcast(norm, x)
+        if x.dim() == 2 and x.stride(1) == 1:
+            return self.ext.rms_norm(x, norm.weight, norm.eps)
+        return _composite(norm, x)
+
+
+class CompositeNorm(NormBackend):
+    """fp32 on the CPU without the C++ kernels: the 5-op composite."""
+
+    name = "cpu-composite"
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        return weight.is_cpu and weight.dtype == torch.float32
+
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return _composite(norm, x) if x.dtype == torch.float32 else _upcast(norm, x)
+
+
+class FusedNorm(NormBackend):
+    """fp32 elsewhere (CUDA): torch.rms_norm, which may be fused there, with its own rounding."""
+
+    name = "torch-fused"
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32
+
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return _upcast(norm, x)
+        return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+class UpcastNorm(NormBackend):
+    """Any other weight dtype: HF's formula."""
+
+    name = "upcast"
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        return True
+
+    def forward(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return _upcast(norm, x)
+
+
+# In order of preference: the first that supports a weight takes it.
+NORM_BACKENDS: dict[str, type[NormBackend]] = {
+    b.name: b for b in (CpuKernelNorm, CompositeNorm, FusedNorm, UpcastNorm)
+}
+
+
+def select_norm_backend(weight: torch.Tensor) -> NormBackend:
+    """The preferred backend that runs `weight` here."""
+    return next(b for b in NORM_BACKENDS.values() if b.supports(weight))()
+
+
+def _select_then_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    backend = select_norm_backend(norm.weight)
+    norm.backend = backend
+    norm._forward = backend.forward
+    return backend.forward(norm, x)
 
 
 class RMSNorm(torch.nn.Module):
@@ -12,24 +133,13 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.backend: NormBackend | None = None  # chosen on the first call
+        self._forward: Callable[[RMSNorm, torch.Tensor], torch.Tensor] = _select_then_forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.dtype == torch.float32 and w.dtype == torch.float32:
-            if not x.is_cpu:  # elsewhere (CUDA) it may be fused, with its own rounding: as before
-                return torch.rms_norm(x, w.shape, w, self.eps)
-            ext = cpu_kernels()
-            if ext is not None and x.dim() == 2 and x.stride(1) == 1:
-                # One loop per row in C++ (csrc/layer_ops.h), the op the fused decode step runs:
-                # both paths give the same bits.
-                return ext.rms_norm(x, w, self.eps)
-            # torch.rms_norm is no fused kernel on the CPU: ATen runs the same composite as 12 ops
-            # (pow, mean = sum + div_, add_, rsqrt, 2 mul, 6 dtype casts). These 5 give the same
-            # bits (x * x is what pow(x, 2) computes): ~31 µs instead of ~39 per call inside a
-            # batch-1 decode step (py-spy, 61 calls per token), 9.5 instead of 17 µs alone.
-            v = (x * x).mean(-1, keepdim=True)
-            return (x * v.add_(self.eps).rsqrt_()).mul_(w)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self._forward(self, x)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        # Moved or cast: the kernel is chosen again, for the weight as it is then.
+        self.backend, self._forward = None, _select_then_forward
+        return super()._apply(fn, recurse)

@@ -1,16 +1,17 @@
 """fp32 matmuls of many rows (prefill chunks, large verification batches) through oneDNN with the
 weight packed once into its blocked layout.
 
-PyTorch's CPU `F.linear` calls MKL's sgemm. On AMD CPUs MKL takes a generic path: on an AVX-512
-EPYC (2 threads) it ran the default model's fp32 layers at 140-220 GFLOP/s where oneDNN — which
-PyTorch also ships, for any x86 vendor — ran them at 430-530 from a packed weight (300-470 from the
-plain one, which it re-packs every call). Up to `dense_gemm_max_rows` (64) rows the engine's own kernels
-(csrc/dense_gemv.h, dense_gemm.h) stay faster and are what the fused decode step runs; above it
-this module takes over. Each row's result does not depend on how many rows the call has.
+PyTorch's CPU `F.linear` calls MKL's sgemm, which takes a generic path on AMD CPUs; oneDNN, which
+PyTorch also ships for any x86 vendor, runs the same matmuls at 2-3x its speed there from a
+packed weight (less from the plain one, which it re-packs every call). Up to
+`dense_gemm_max_rows` (64) rows the engine's own kernels (csrc/dense_gemv.h, dense_gemm.h) stay
+faster and are what the fused decode step runs; above it this module takes over
+(`DenseKernelLinear`, inferd/layers/linear.py). Each row's result does not depend on how many
+rows the call has.
 
 The packed copy costs the weight's size again in memory (made on a layer's first call with that
 many rows, so a quantized or decode-only model never makes one). `INFERD_ONEDNN_LINEAR=0` turns it
-off (at::linear then, as before).
+off (at::linear then).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class PackedWeight:
     place (its version counter; a write through `.data` bypasses it, so loaders write the
     parameter itself)."""
 
-    __slots__ = ("packed", "key")
+    __slots__ = ("key", "packed")
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,13 +60,28 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def select_rotary(device: torch.device, dtype: torch.dtype) -> Rotate:
+    """The rotation for a model of `dtype` on `device`, chosen once: for fp32 on the CPU with the
+    C++ kernels one loop (csrc/layer_ops.h), as the fused decode step runs it (it takes x
+    [T, H, D] with unit stride along D, as the model's q/k views are); `rotate_torch` elsewhere."""
+    ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    return ext.rotary if ext is not None else rotate_torch
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (half-split layout: [x1, x2] → [x1·c - x2·s, x2·c + x1·s]) with the
-    full-width tables of `RotaryEmbedding`; q and k heads can go through in one call."""
+    full-width tables of `RotaryEmbedding`; q and k heads can go through in one call. Picks the
+    kernel per call, for callers holding no model; a model uses `select_rotary`'s."""
     if x.dtype == torch.float32 and x.is_cpu and x.dim() == 3 and x.stride(2) == 1:
-        ext = cpu_kernels()
-        if ext is not None:  # one loop in C++ (csrc/layer_ops.h), as the fused decode step runs it
-            return ext.rotary(x, cos, sin)
+        return select_rotary(x.device, x.dtype)(x, cos, sin)
+    return rotate_torch(x, cos, sin)
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in PyTorch ops (any dtype, device and layout)."""
     *lead, d = x.shape
     xf = x.float()  # no copy when x is fp32
     # swap_halves as one flip of a [.., 2, D/2] view: a fresh tensor, so the products can be taken

@@ -31,4 +31,5 @@ def build_model(
     model.load_weights(weights, quantization, quantization_group_size)
     model = model.eval()
     model.set_rotary(max_positions, weights.get("rope_freq_factors"), device)
+    model.select_kernels(device, dtype)
     return model

@@ -2,18 +2,21 @@
 
 The per-layer code calls submodules' `forward` directly and splits with `split_with_sizes`: no
 hooks are ever registered here, and `nn.Module.__call__`'s hook checks plus `Tensor.split`'s Python
-wrapper cost ~1.3 ms per decoded token at batch 1 (30 layers × 9 submodule calls and 3 splits;
-py-spy).
+wrapper are a measurable share of a batch-1 decode step (9 submodule calls and 3 splits a layer).
 
-A step whose every query row goes to the C++ paged attention kernel (decodes, speculative
-verification) over an fp32 KV cache runs all layers in one call instead
-(csrc/decoder_layers.h): the same kernels in the same order, so the same bits, without ~25
-Python-level calls per layer.
+Kernels are chosen at load, not per call (`select_kernels`, which `build_model` runs): every
+layer's attention runs one `AttentionBackend` (inferd/layers/attention.py), its rotary rotation
+and silu-mul one function each; linears and norms choose from their weights. A step
+whose every query row goes to that backend's short-query kernel (decodes, speculative
+verification) runs all layers in one call instead (csrc/decoder_layers.h, from the same
+extension): the same kernels in the same order, so the same bits, without ~25 Python-level calls
+per layer.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +25,11 @@ from torch import nn
 from inferd.config import ModelConfig
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import QuantizedKV
-from inferd.layers.attention import AttentionMetadata, paged_attention
+from inferd.layers.attention import AttentionBackend, AttentionMetadata, select_attention_backend
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
-from inferd.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_inv_freq, select_rotary
 from inferd.quantization import formats
 from inferd.quantization.formats import QuantizedWeight
 from inferd.quantization.policy import linear_weight
@@ -59,6 +62,9 @@ class LlamaAttention(nn.Module):
                                   bias=cfg.attention_bias)  # fmt: skip
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        # Chosen at load (LlamaForCausalLM.select_kernels).
+        self.backend: AttentionBackend | None = None
+        self.rotate: Rotate | None = None
 
     def forward(
         self,
@@ -71,11 +77,27 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(x)
         qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
         # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qk.view(t, self.n_heads + self.n_kv, self.head_dim), *rope)
+        qk = self.rotate(qk.view(t, self.n_heads + self.n_kv, self.head_dim), *rope)
         q, k = qk.split_with_sizes([self.n_heads, self.n_kv], 1)
         v = v.view(t, self.n_kv, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj.forward(o.reshape(t, self.q_size))
+
+
+SiluMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate/up side by side [T, 2I] → [T, I], in PyTorch ops."""
+    gate, up = gu.split_with_sizes([gu.shape[-1] // 2] * 2, -1)
+    return F.silu(gate).mul_(up)  # silu's output is fresh: in place
+
+
+def select_silu_mul(device: torch.device, dtype: torch.dtype) -> SiluMul:
+    """`silu_mul_torch`'s op for a model of `dtype` on `device`: for fp32 on the CPU with the C++
+    kernels one loop (csrc/layer_ops.h), as the fused decode step runs it."""
+    ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    return ext.silu_mul if ext is not None else silu_mul_torch
 
 
 class LlamaMLP(nn.Module):
@@ -84,15 +106,10 @@ class LlamaMLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+        self.silu_mul: SiluMul | None = None  # select_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj.forward(x)
-        if gu.is_cpu and gu.dtype == torch.float32 and gu.dim() == 2:
-            ext = cpu_kernels()
-            if ext is not None:  # one loop in C++ (csrc/layer_ops.h), as the fused decode step runs it
-                return self.down_proj.forward(ext.silu_mul(gu))
-        gate, up = gu.split_with_sizes([self.inter, self.inter], -1)
-        return self.down_proj.forward(F.silu(gate).mul_(up))  # silu's output is fresh: in place
+        return self.down_proj.forward(self.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Set by `set_rotary` once the weights (and GGUF's rope_freqs, if any) are known.
         self.rotary: RotaryEmbedding | None = None
+        self.attention_backend: AttentionBackend | None = None  # select_kernels
         self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
         self._tiles = False  # some weights packed into tiles: the fused step needs int8 activations
         self._fused_rows: int | None = None  # _fused_max_rows, once known
@@ -136,6 +154,19 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq).to(device)
 
+    def select_kernels(self, device: torch.device, dtype: torch.dtype,
+                       attention: str | None = None) -> None:  # fmt: skip
+        """Choose, once, the kernels of the ops the layers call by function: attention (the
+        backend `attention` names, else the preferred one for `device` and `dtype`), the rotary
+        rotation and silu-mul. (Linears and norms choose theirs from their weights.)"""
+        backend = select_attention_backend(device, dtype, self.config.head_dim, attention)
+        self.attention_backend = backend
+        rotate, silu_mul = select_rotary(device, dtype), select_silu_mul(device, dtype)
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+            layer.self_attn.rotate = rotate
+            layer.mlp.silu_mul = silu_mul
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -146,16 +177,13 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        kg = meta.kernel_group
-        if (FUSED_DECODE and kg is not None and meta.group is None and not meta.prefills
-                and x.dtype == torch.float32 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
-                and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= self._fused_max_rows(kg.kernel)):  # fmt: skip
+        if FUSED_DECODE and self._fused_step_takes(x, kv_caches, meta):
             captured = None
             if self.capture_layers:  # rows the C++ step copies out as it passes those layers
                 captured = x.new_empty((len(self.capture_layers), *x.shape))
                 self.captured = list(captured.unbind(0))
-            return self.norm(self._decode_layers(kg.kernel, x, rope, kv_caches, meta, captured))
+            ext = meta.kernel_group.kernel
+            return self.norm(self._decode_layers(ext, x, rope, kv_caches, meta, captured))
         captured = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer.forward(x, rope, kv, meta)
@@ -164,12 +192,24 @@ class LlamaForCausalLM(nn.Module):
         self.captured = captured
         return self.norm(x)
 
+    def _fused_step_takes(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """Whether `decode_layers` runs this step: every row in the kernel group (whose extension
+        holds it), fp32 rows, a cache it reads (plain, 2-byte or quantized), int8 activations
+        where weights are packed into tiles (tiles have no fp32-activation kernel), and no more
+        rows than `_fused_max_rows`."""
+        kg = meta.kernel_group
+        return (kg is not None and meta.group is None and not meta.prefills
+                and x.dtype == torch.float32
+                and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
+                and (not self._tiles or formats.int8_activations_default(kg.kernel))
+                and x.shape[0] <= self._fused_max_rows(kg.kernel))  # fmt: skip
+
     def _fused_max_rows(self, ext) -> int:
         """Rows a fused step may have. Its fp32 matmuls take at::linear above
         `dense_gemm_max_rows` (MKL's sgemm, which runs AMD CPUs on a generic path), where the
-        Python layers use oneDNN's packed weights: 65-128 fp32 decodes took 121-215 ms a step
-        fused against 77-137 ms in the layer loop. Quantized layers keep their own kernels at any
-        row count, and stay fused."""
+        Python layers use oneDNN's packed weights, which are faster there (and round
+        differently); such steps take the layer loop. Quantized layers keep their own kernels at
+        any row count, and stay fused."""
         if self._fused_rows is None:
             dense = any(
                 isinstance(m, Linear)
