@@ -102,7 +102,10 @@ def test_every_mode_quantizes_every_linear(tiny_models, mode: str) -> None:
     got, want = _last_logits(llm, ids), _last_logits(dense, ids)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < {"int8": 0.02, "fp8": 0.1, "int4": 0.15}[mode], rel
-    assert _greedy(llm)  # and it generates
+    # Along a generation (prefill and batched decode over the KV cache) the quantized model keeps
+    # choosing the fp32 model's tokens: on this model and these prompts the fp32 greedy choice
+    # leads by several nats at every step, far beyond any of these formats' error.
+    assert _greedy(llm) == _greedy(dense)
 
 
 def _logits(llm: LLM, ids: torch.Tensor, positions: int = 1) -> list[torch.Tensor]:
@@ -119,13 +122,16 @@ def _last_logits(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_group_sizes(tiny_models, group: int) -> None:
-    model = tiny_models["llama-f32.gguf"]
+    # The tied model: its greedy choices lead by several nats (the untied one's by hundredths at
+    # some steps, where int4's rounding rightly picks another token).
+    model = tiny_models["llama-tied-f32.gguf"]
     llm = _llm(model.path, "int4", quantization_group_size=group)
-    for m in llm.engine.runner.model.modules():
-        if isinstance(m, QuantizedLinear) and m.qweight.format == "int4":
-            # K = 64 (hidden) cannot hold a group of 128: those layers take 64.
-            assert m.qweight.group == min(group, m.in_features), m
-    assert _greedy(llm)
+    int4 = [m for m in llm.engine.runner.model.modules()
+            if isinstance(m, QuantizedLinear) and m.qweight.format == "int4"]  # fmt: skip
+    # K = 64 (hidden) cannot hold a group of 128: those layers take 64.
+    assert all(m.qweight.group == min(group, m.in_features) for m in int4)
+    assert group in {m.qweight.group for m in int4}
+    assert _greedy(llm) == _greedy(_llm(model.path, "none"))
 
 
 def test_conversion_cache_keeps_blocks_packed(tmp_path, inferd_cache_dir) -> None:
