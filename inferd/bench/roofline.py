@@ -8,7 +8,8 @@ Three ceilings (gpt-fast style: print what the hardware allows next to what was 
   a BLAS gemv can stream well below what the engine's decode reaches. This is what batch-1 decode
   does, so it is the bandwidth ceiling decode is judged against. The matrix is as large as the
   weights it stands for (`inferd bench latency` passes the model's bytes per step; alone, twice
-  the last-level cache): whether they stream from a cache or from DRAM sets the rate.
+  the last-level cache), since whether they stream from a cache or from DRAM sets the rate, and
+  it sits in the same kind of memory as the engine's weights (`laid_out_as_weights`).
 - matmul peak: 2·m·n·k / time of square products, on every path this CPU runs natively
   (`matmul_candidates`): fp32 always; bf16 / fp16 only with native instructions (AVX512-BF16,
   AVX512-FP16, AMX), since an emulated one is never the fastest; int8 with VNNI or AMX. Each path
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -82,7 +84,7 @@ class Roofline:
         return d
 
     def describe_peak(self) -> str:
-        """The peak a prefill fraction is a fraction of: "int8-VNNI matmul peak (859.3 GFLOP/s)"."""
+        """The peak a prefill fraction is a fraction of: "<path> matmul peak (<rate> GFLOP/s)"."""
         return f"{self.peak.name} matmul peak ({self.peak.gflops:.1f} GFLOP/s)"
 
 
@@ -129,12 +131,34 @@ def matvec_n_for(nbytes: int, dtype: torch.dtype = torch.float32) -> int:
     return max(4096, math.ceil(math.sqrt(nbytes / elem)))
 
 
-def _time_op(
-    op, shape_a: tuple, shape_b: tuple, dtype: torch.dtype, repeats: int, budget_s: float
-) -> float:
-    a = torch.randn(shape_a).to(dtype)
-    b = torch.randn(shape_b).to(dtype)
-    return _best_seconds(lambda: op(a, b), repeats, budget_s)
+def laid_out_as_weights(w: torch.Tensor) -> torch.Tensor:
+    """`w` moved where the engine keeps its weights (`weight_arena`: one block of 2 MiB pages,
+    unless INFERD_WEIGHT_ARENA=0), so the bandwidth ceiling streams the same kind of pages a
+    decode step does."""
+    from inferd.layers.weight_arena import gather_weights
+
+    holder = nn.Module()
+    holder.weight = nn.Parameter(w, requires_grad=False)
+    log = logging.getLogger("inferd.layers.weight_arena")
+    level = log.level
+    log.setLevel(logging.WARNING)  # its "weights: ... MB in one block" is about a model's
+    try:
+        gather_weights([holder])
+    finally:
+        log.setLevel(level)
+    return holder.weight.data
+
+
+def _time_matvec(n: int, dtype: torch.dtype, repeats: int, budget_s: float) -> float:
+    """The faster of at::mv and, in fp32, inferd's streaming kernel over an [n, n] weight."""
+    w = laid_out_as_weights(torch.randn(n, n).to(dtype))
+    x = torch.randn(n).to(dtype)
+    t = _best_seconds(lambda: torch.mv(w, x), repeats, budget_s)
+    ext = cpu_kernels() if dtype == torch.float32 else None
+    if ext is not None:
+        x1 = x.view(1, n)
+        t = min(t, _best_seconds(lambda: ext.dense_linear(x1, w, None), repeats, budget_s))
+    return t
 
 
 def native_paths(flags: set[str]) -> dict[str, str]:
@@ -228,11 +252,7 @@ def measure_roofline(
         matvec_n = matvec_n_for(2 * last_level_cache_bytes(), dtype)
     n_copy = (copy_mib << 20) // elem
     t_copy = _time_copy(n_copy, dtype, repeats, budget_s)
-    t_mv = _time_op(torch.mv, (matvec_n, matvec_n), (matvec_n,), dtype, repeats * 5, budget_s)
-    ext = cpu_kernels() if dtype == torch.float32 else None
-    if ext is not None:
-        t_mv = min(t_mv, _time_op(ext.dense_linear, (1, matvec_n), (matvec_n, matvec_n), dtype,
-                                  repeats * 5, budget_s))  # fmt: skip
+    t_mv = _time_matvec(matvec_n, dtype, repeats * 5, budget_s)
     return Roofline(
         dtype=str(dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
