@@ -1,5 +1,6 @@
 """`inferd bench spec` end to end on a tiny model: every config's greedy output equals speculation
-off (the bench checks it), counts and ratios are reported (no timing asserts)."""
+off (the bench checks it), drafts are proposed and accepted, counts and ratios are reported (no
+timing asserts)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def long_context_tiny(tmp_path_factory):
 
 def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
     model = str(long_context_tiny.path)
-    argv = ["bench", "spec", "--model", model, "--k", "2", "--max-tokens", "6",
+    # 16 tokens: the tiny model's greedy text falls into repeats that prompt lookup then drafts.
+    argv = ["bench", "spec", "--model", model, "--k", "2", "--max-tokens", "16",
             "--runs", "2", "--batch", "3", "--tasks", "code", "chat", "--draft-model", model, "--batch-draft",
             "--kv-cache-memory", str(4 << 20)]  # fmt: skip
     assert main(argv) == 0
@@ -37,6 +39,12 @@ def test_bench_spec_reports_every_config(long_context_tiny, capsys) -> None:
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         if config == "off":
             assert r["speedup"] == 1.0 and r["acceptance_rate"] is None
+    # Speculation ran: prompt lookup proposed drafts on both tasks and the target accepted some
+    # (a chain of k = 2 emits 1 to 3 tokens per verification).
+    for task in ("code", "chat"):
+        ngram = rows[(task, "ngram k=2")]
+        assert 0 < ngram["acceptance_rate"] <= 1, ngram
+        assert 1 < ngram["mean_acceptance_length"] <= 3, ngram
     # The draft is the target itself: every draft it made is accepted (the policy may judge a
     # draft as slow as the target not worth running at all).
     assert rows[("chat", "draft k=2")]["acceptance_rate"] in (None, 1.0)
