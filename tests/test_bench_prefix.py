@@ -20,8 +20,9 @@ def test_shared_prefix_report(tiny_models, capsys):
             "--suffix-len", "8", "--num-requests", "4"]  # fmt: skip
     assert main(argv) == 0
     report = _report(capsys)
-    # With the prefix hot only the suffixes are computed: 4 x 8 tokens.
+    # With the prefix hot only the suffixes are computed: 4 x 8 tokens (4 x 72 without the cache).
     assert report["prefill_tokens_computed_on"] == 32 and report["distinct_tokens"] == 32
+    assert report["computed_over_ideal"] == round(32 / (64 + 32), 3)
     assert len(report["ratio_per_run"]) == 2
     assert 0 < report["mean_ttft_on_s"] and 0 < report["mean_ttft_off_s"] and report["ratio"] > 0
 
@@ -34,6 +35,29 @@ def test_multi_turn_report(tiny_models, capsys):
     report = _report(capsys)
     assert len(report["ttft_per_turn_on"]) == 5 and len(report["ttft_per_turn_off"]) == 5
     assert report["final_prompt_tokens"] == 4 * (10 + 5) + 10
+
+
+def test_multi_turn_history_comes_from_the_cache(tiny_models):
+    """The scenario's premise: each turn's history (earlier turns and answers) is served by the
+    prefix cache when it is on, and computed again when it is off."""
+    from inferd import LLM
+    from inferd.bench.prefix import multi_turn
+    from inferd.loader import load_model
+
+    loaded = load_model(tiny_models["llama-hf"].path, verbose=False)
+    prompt_tokens = sum(10 + t * (10 + 5) for t in range(5))  # turn t: t turns of history + 10
+    computed, hits = {}, {}
+    for cache in (True, False):
+        llm = LLM(loaded=loaded, verbose=False, enable_prefix_caching=cache,
+                  kv_cache_memory=4 << 20)  # fmt: skip
+        run = multi_turn(llm, loaded.tokenizer, turns=5, turn_tokens=10, answer_tokens=5)
+        assert run["final_prompt_tokens"] == 4 * (10 + 5) + 10
+        stats = llm.get_stats()
+        assert stats.prefix_cache_queries_total == prompt_tokens
+        computed[cache], hits[cache] = stats.prompt_tokens_total, stats.prefix_cache_hits_total
+        llm.engine.check_no_leaks()
+    assert (computed[False], hits[False]) == (prompt_tokens, 0)
+    assert hits[True] > 0 and computed[True] == prompt_tokens - hits[True]
 
 
 @pytest.fixture
