@@ -143,9 +143,40 @@ def test_bad_sampling_params(kwargs: dict, words: str) -> None:
     assert str(err.value).count("\n") == 0  # one line
 
 
-def test_good_edge_sampling_params() -> None:
-    SamplingParams(top_p=1.0, temperature=0.0, max_tokens=1, stop=["a", "b"])
-    SamplingParams(stop=("a",), max_tokens=None)
+def test_good_edge_sampling_params(llm, good_prompts, reference) -> None:
+    """Values at the edges of their ranges are accepted and run as they say."""
+    prompts = [{"prompt_token_ids": p} for p in good_prompts]
+    vocab = llm.engine.model_config.vocab_size
+    # top_p = 1 at temperature 0 is greedy; max_tokens = 1 stops after the reference's first token.
+    one = SamplingParams(top_p=1.0, temperature=0.0, max_tokens=1, stop=["a", "b"])
+    assert one.stop_strings == ("a", "b")
+    for out, want in zip(llm.generate(prompts, one, use_tqdm=False), reference):
+        (c,) = out.outputs
+        assert c.token_ids == want[:1] and c.finish_reason == "length", (c, want)
+        assert not {"a", "b"} & set(c.text)
+    # max_tokens = None: no limit but the context (and the stop string, which never shows).
+    unbounded = SamplingParams(stop=("a",), max_tokens=None, n=4, seed=0)
+    assert unbounded.stop_strings == ("a",)
+    eos = set(llm.engine.eos_token_ids)
+    stopped_at_a = 0
+    for out in llm.generate(prompts, unbounded, use_tqdm=False):
+        assert len(out.outputs) == 4
+        for c in out.outputs:
+            assert c.token_ids and all(0 <= t < vocab for t in c.token_ids)
+            assert "a" not in c.text
+            if c.finish_reason == "length":
+                assert len(out.prompt_token_ids) + len(c.token_ids) == MAX_MODEL_LEN, c
+            else:
+                assert c.finish_reason == "stop", c
+                assert c.stop_reason == "a" or (c.stop_reason is None and c.token_ids[-1] in eos), c
+                stopped_at_a += c.stop_reason == "a"
+    assert stopped_at_a  # this tiny vocabulary's random text reaches an "a" in most samples
+    to_context = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    for out, want in zip(llm.generate(prompts, to_context, use_tqdm=False), reference):
+        (c,) = out.outputs
+        assert c.finish_reason == "length" and c.token_ids[: len(want)] == want
+        assert len(out.prompt_token_ids) + len(c.token_ids) == MAX_MODEL_LEN
+    llm.engine.check_no_leaks()
 
 
 # ---- model paths: missing, truncated, corrupt, unsupported ------------------------------------
