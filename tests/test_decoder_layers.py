@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from inferd import LLM, SamplingParams
-from inferd.engine import core
+from inferd.spec import decoder as spec_decoder
 from inferd.kernels.quant_gemm import extension
 from inferd.models import llama
 from inferd.quantization.formats import int8_activations
@@ -40,7 +40,7 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
     # load two runs draft differently, batch rows differently, and fp32 matmuls (MKL, not
     # batch-invariant) round differently: both runs get the same fixed costs, so that the layer
     # path is the only thing that differs between them.
-    monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: ({1: 0.1, 64: 0.5}, {}))
+    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *args, **kwargs: ({1: 0.1, 64: 0.5}, {}))
     monkeypatch.setattr(SpecPolicy, "record_speculation_time", lambda self, *args: None)
     config = {"method": "ngram", "num_speculative_tokens": 3} if spec else None
     llm = LLM(str(path), quantization=quantization, verbose=False, kv_cache_memory=4 << 20,

@@ -60,7 +60,7 @@ class LeafOracle(Proposer):
                 leaves = [(depth, self._wrong(truth[depth - 1], 2)), (depth, truth[depth - 1])]
                 if depth < k:
                     leaves.append((depth + 1, self._wrong(truth[depth], 3)))
-            seq.set_drafts(chain, leaves=leaves)
+            seq.spec.set(chain, leaves=leaves)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_accepted_leaves_move_into_the_sequence(tiny_llama_gguf, reference, kv_c
     if not kernel:
         engine.runner.attention_kernel = None
     answers = {tuple(p): list(out.outputs[0].token_ids) for p, out in zip(_prompts(), reference)}
-    engine.proposer = LeafOracle(answers, engine.model_config.vocab_size)
+    engine.spec.proposer = LeafOracle(answers, engine.model_config.vocab_size)
     ref = (
         _generate(_llm(tiny_llama_gguf.path, kv_cache_dtype=kv_cache_dtype))
         if kv_cache_dtype != "auto"
@@ -113,7 +113,7 @@ def test_leaves_give_way_when_the_pool_is_full(tiny_llama_gguf, reference):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = _llm(tiny_llama_gguf.path, spec, kv_cache_memory=48 << 10)
     answers = {tuple(p): list(out.outputs[0].token_ids) for p, out in zip(_prompts(), reference)}
-    llm.engine.proposer = LeafOracle(answers, llm.engine.model_config.vocab_size)
+    llm.engine.spec.proposer = LeafOracle(answers, llm.engine.model_config.vocab_size)
     want = _generate(_llm(tiny_llama_gguf.path, kv_cache_memory=48 << 10))
     assert [[o.token_ids for o in r.outputs] for r in _generate(llm)] == [
         [o.token_ids for o in r.outputs] for r in want
@@ -129,7 +129,7 @@ def test_aborts_between_tree_steps_leave_no_block(tiny_llama_gguf, reference):
     llm = _llm(tiny_llama_gguf.path, spec, enable_prefix_caching=True)
     engine = llm.engine
     answers = {tuple(p): list(out.outputs[0].token_ids) for p, out in zip(_prompts(), reference)}
-    engine.proposer = LeafOracle(answers, engine.model_config.vocab_size)
+    engine.spec.proposer = LeafOracle(answers, engine.model_config.vocab_size)
     params = _params(longer=10)
     for i, p in enumerate(_prompts()):
         engine.add_request(f"r{i}", p, params[i])
@@ -153,7 +153,7 @@ def test_verify_accepts_the_leaf_at_the_rejected_depth():
     vocab = 8
     seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(temperature=0, max_tokens=None, logprobs=1))
     # Chain [4, 5, 6]; leaves: 7 at depth 2 (the target's token there), 3 at depth 2, 2 at depth 3.
-    seq.set_drafts([4, 5, 6], leaves=[(2, 3), (2, 7), (3, 2)])
+    seq.spec.set([4, 5, 6], leaves=[(2, 3), (2, 7), (3, 2)])
     argmax = [4, 7, 1, 0, 9 % vocab, 6, 5]  # rows: 3 chain + bonus, then one per leaf
     logits = torch.full((7, vocab), -5.0)
     for row, t in enumerate(argmax):
@@ -165,7 +165,7 @@ def test_verify_accepts_the_leaf_at_the_rejected_depth():
     assert [top[0][0] for _, rank, top in res.logprobs] == [4, 7, 6]
     assert all(rank == 1 for _, rank, _ in res.logprobs)
     # No leaf at the rejected depth, or none with the target's token: the chain's result.
-    seq.set_drafts([4, 5, 6], leaves=[(3, 1)])
+    seq.spec.set([4, 5, 6], leaves=[(3, 1)])
     (res,) = verify(logits[[0, 1, 2, 3, 6]], [seq], (), vocab)
     assert res.token_ids == [4, 7] and res.leaf is None
 

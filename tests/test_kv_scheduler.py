@@ -61,9 +61,9 @@ def test_fork_and_copy_on_write():
     kv.fork(1, 2)
     assert kv.pool.ref_counts[:2] == [2, 2]
     assert kv.allocate_slots(2, 6, 1)  # child writes position 6 into the shared block 1
-    assert kv.block_tables[2] == [0, 2] and kv.take_pending_copies() == [(1, 2)]
+    assert kv.block_tables[2] == [0, 2] and kv.take_pending_copies() == ([(1, 2)], [])
     assert kv.allocate_slots(1, 6, 1)  # parent is now the only owner of block 1: no copy
-    assert kv.block_tables[1] == [0, 1] and kv.take_pending_copies() == []
+    assert kv.block_tables[1] == [0, 1] and kv.take_pending_copies() == ([], [])
     kv.check_integrity()
     kv.free(1)
     kv.free(2)

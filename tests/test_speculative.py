@@ -13,7 +13,7 @@ from tiny_models import TinySpec, with_seed, write_gguf
 
 from inferd import LLM, SamplingParams
 from inferd.config import SpeculativeConfig
-from inferd.engine import core
+from inferd.spec import decoder as spec_decoder
 from inferd.sampling.rejection import verify
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.ngram import NgramIndex, lookup
@@ -30,8 +30,8 @@ def fixed_speculation_costs(monkeypatch):
     on the machine's load, and a policy that rightly finds speculation too dear for a tiny model
     would leave nothing to check. The policy's own tests build `SpecPolicy` directly."""
     fixed = ({1: 0.02, 64: 0.5}, {})
-    monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: fixed)
-    monkeypatch.setattr(core, "SpecPolicy", _FixedCostPolicy)
+    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *args, **kwargs: fixed)
+    monkeypatch.setattr(spec_decoder, "SpecPolicy", _FixedCostPolicy)
 
 
 class _FixedCostPolicy(SpecPolicy):
@@ -212,9 +212,9 @@ def _emitted_distribution(p: torch.Tensor, q: torch.Tensor | None, drafts_from_q
         seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(temperature=1.0, max_tokens=None), generator=gen)
         if drafts_from_q:
             draft = int(torch.multinomial(q[0], 1, generator=gen))
-            seq.set_drafts([draft], q[:1])
+            seq.spec.set([draft], q[:1])
         else:
-            seq.set_drafts([2])  # a deterministic proposer: always token 2
+            seq.spec.set([2])  # a deterministic proposer: always token 2
         (res,) = verify(logits, [seq], (), vocab)
         counts[res.token_ids[0]] += 1
     return counts
@@ -387,8 +387,8 @@ def test_policy_shrinks_a_sequence_s_few_verifications_towards_the_others():
     policy.depths([unlucky], batch_size=1)
     for _ in range(2):  # its own first two verifications failed
         policy.record(unlucky, 3, 0)
-    assert unlucky.spec_state.acceptance < 0.3
-    assert policy.acceptance(unlucky.spec_state) > 0.5
+    assert unlucky.spec.policy_state.acceptance < 0.3
+    assert policy.acceptance(unlucky.spec.policy_state) > 0.5
     assert policy.depths([unlucky], batch_size=1) == [3]
     for _ in range(20):  # a long run of failures outweighs the others
         policy.record(unlucky, 3, 0)
@@ -438,8 +438,8 @@ def test_calibration_measures_every_depth(tiny_llama_gguf):
     from inferd.spec.calibrate import measure_verify_cost
 
     engine = _llm(tiny_llama_gguf.path).engine
-    costs, leaf_costs = measure_verify_cost(engine.runner, 3, 16, engine.model_config.vocab_size,
-                                            context=16, repeats=1)  # fmt: skip
+    costs, leaf_costs = measure_verify_cost(engine.runner, engine.kv, 3, 16,
+                                            engine.model_config.vocab_size, context=16, repeats=1)  # fmt: skip
     engine.check_no_leaks()
     assert sorted(costs) == [1, 4, 16] and leaf_costs == {}
     for by_depth in costs.values():
@@ -457,7 +457,7 @@ def test_policy_probes_less_as_verification_costs_more():
         policy = SpecPolicy(4, disable_by_batch_size=None, verify_cost={1: cost})
         seq = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=1000))
         policy.depths([seq], batch_size=1)  # its state starts at the prior
-        seq.spec_state.steps_off = 0
+        seq.spec.policy_state.steps_off = 0
         for _ in range(10):
             policy.record(seq, 4, 0)
         ks = [policy.depths([seq], batch_size=1)[0] for _ in range(60)]

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import TinySpec, write_gguf
 
 from inferd import LLM, SamplingParams
-from inferd.engine import core
+from inferd.spec import decoder as spec_decoder
 from inferd.scheduler.sequence import Sequence
 from inferd.spec import step_times
 from inferd.spec.policy import SpecPolicy
@@ -96,8 +96,8 @@ class _RecordingPolicy(SpecPolicy):
 
 def test_engine_times_its_steps_and_outputs_do_not_change(tmp_path, monkeypatch) -> None:
     tiny = write_gguf(tmp_path / "tiny.gguf", TinySpec())
-    monkeypatch.setattr(core, "measure_verify_cost", lambda *args, **kwargs: ({1: 0.02, 64: 0.5}, {}))
-    monkeypatch.setattr(core, "SpecPolicy", _RecordingPolicy)
+    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *args, **kwargs: ({1: 0.02, 64: 0.5}, {}))
+    monkeypatch.setattr(spec_decoder, "SpecPolicy", _RecordingPolicy)
     _RecordingPolicy.forwards = []
     prompt = list(range(5, 25)) * 3  # repeats: prompt lookup finds drafts
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

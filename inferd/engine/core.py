@@ -1,7 +1,12 @@
-"""EngineCore: the synchronous step loop. schedule → forward → sample → detokenize/stop.
+"""EngineCore: the synchronous step loop.
 
-It knows nothing about HTTP or asyncio; `LLM` drives it for offline batches and `AsyncEngine`
-runs it in a thread for servers.
+    step():  spec.propose ─► scheduler.schedule ─► runner.execute ─► sample / spec.verify
+             ─► scheduler.update_from_output ─► spec.observe ─► outputs (text deltas, metrics)
+
+The scheduler owns the requests' sequences and the KV manager; the runner owns the model and the
+KV tensors; `SpecDecoder` owns speculation. The core holds one `Request` record per request and
+the glue between the stages. It knows nothing about HTTP or asyncio: `LLM` drives it for offline
+batches and `AsyncEngine` runs it on a thread or in a process of its own for servers.
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ import logging
 import numbers
 import threading
 import time
-from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -18,7 +22,8 @@ import torch
 from inferd.config import EngineConfig, resolve_device, resolve_dtype
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.model_runner import ModelRunner, StepBatch
-from inferd.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
+from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
+from inferd.engine.request import Request, RequestError
 from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
@@ -28,32 +33,18 @@ from inferd.models import build_model
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes
 from inferd.sampling.params import SamplingParams
-from inferd.sampling.rejection import Verified, verify
 from inferd.sampling.sampler import Sampler, TokenLogprob
-from inferd.scheduler.scheduler import Scheduler
+from inferd.scheduler.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from inferd.scheduler.sequence import Logprob, Sequence
-from inferd.spec.calibrate import measure_verify_cost
-from inferd.spec.policy import SpecPolicy
-from inferd.spec.proposer import build_proposer
-from inferd.spec.step_times import MAX_BATCH as STEP_TIMES_MAX_BATCH
+from inferd.scheduler.stop import StopCriteria
+from inferd.spec.decoder import NoSpecDecoder, SpecDecoder
+from inferd.spec.proposer import ProposerContext
 from inferd.structured.backend import GrammarError
 from inferd.structured.manager import StructuredOutputManager
 
+__all__ = ["EngineCore", "RequestError"]
+
 logger = logging.getLogger("inferd.engine")
-
-
-def _uniform_extra_rows(scheduled: list[tuple[Sequence, int]]) -> int | None:
-    """Rows per sequence beyond its one when every scheduled sequence decodes (one token, or one
-    and its drafts and draft-tree leaves) with as many; else None (the step is no F(j) sample)."""
-    rows = None
-    for seq, n in scheduled:
-        if seq.num_output_tokens == 0 or n != 1 + len(seq.spec_token_ids):
-            return None  # a prompt chunk, or a recomputation after preemption
-        extra = n - 1 + len(seq.spec_leaves)
-        if rows is not None and extra != rows:
-            return None
-        rows = extra
-    return rows
 
 
 def _warn_without_cpu_kernels(device: torch.device) -> None:
@@ -66,25 +57,6 @@ def _warn_without_cpu_kernels(device: torch.device) -> None:
     if device.type == "cpu" and cpu_supports_avx2_fma() and extension() is None:
         logger.warning("inferd's CPU kernels are not loaded (their build failed: see the line above "
                        "on stderr); running the PyTorch path, several times slower")  # fmt: skip
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (bad prompt, bad parameters); other requests are unaffected."""
-
-
-@dataclass(slots=True)
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[Sequence] = field(default_factory=list)  # by output index
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # by seq_id
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
 def _kv_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
@@ -135,8 +107,8 @@ class EngineCore:
                 "tokens); raise --kv-cache-memory or lower --max-model-len"
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len))
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
                                 dtype=self.dtype, device=self.device,
@@ -144,10 +116,11 @@ class EngineCore:
                                 quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
-        self.runner = ModelRunner(model, mcfg, self.kv, self.dtype, self.device, kv_cache_dtype=kv_cache_dtype,
+        self.runner = ModelRunner(model, mcfg, num_blocks, block_size, self.dtype, self.device,
+                                  kv_cache_dtype=kv_cache_dtype,
                                   kv_cache_prefault=config.cache.kv_cache_prefault)  # fmt: skip
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
         # shared with other jobs may set time.process_time (one thread) to time work, not waits.
         self.clock = time.monotonic
@@ -156,26 +129,40 @@ class EngineCore:
         self.weight_bytes = resident_weight_bytes(model)
         self._structured: StructuredOutputManager | None = None  # built on first use (~0.3 s)
         self._structured_lock = threading.Lock()
-        self.proposer = build_proposer(self)
-        self._forked: dict[int, list[Sequence]] = {}  # a step's n > 1 children, by parent
-        self.spec_policy: SpecPolicy | None = None
-        if self.proposer is not None:
-            spec = config.speculative
-            k = spec.num_speculative_tokens
-            leaves = (spec.draft_topk - 1) * k
-            context = max(1, min(128, self.max_model_len - k - 1))
-            cost, leaf_cost = measure_verify_cost(self.runner, k, min(config.scheduler.max_num_seqs, 64),
-                                                  mcfg.vocab_size, context=context, leaves=leaves)  # fmt: skip
-            self.spec_policy = SpecPolicy(k, spec.disable_by_batch_size, cost, leaf_width=spec.draft_topk - 1,
-                                          leaf_cost=leaf_cost,
-                                          ranked=self.proposer.ranks_drafts)  # fmt: skip
-            self.stats.spec_method = spec.method
+        self.spec: NoSpecDecoder = NoSpecDecoder()
+        if config.speculative is not None:
+            self.spec = SpecDecoder.build(self._proposer_context(), self.runner, kv,
+                                          config.scheduler.max_num_seqs, self.stats)  # fmt: skip
         _warn_without_cpu_kernels(self.device)
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s)", num_blocks, capacity,
                         num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype))  # fmt: skip
+
+    def _proposer_context(self) -> ProposerContext:
+        c = self.config
+        return ProposerContext(
+            spec=c.speculative, target=self.runner.model, model_config=self.model_config,
+            tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
+            quantization=c.quantization, quantization_group_size=c.quantization_group_size,
+            num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
+            enable_prefix_caching=c.cache.enable_prefix_caching,
+        )  # fmt: skip
+
+    @property
+    def kv(self) -> KVCacheManager:
+        """The scheduler's KV manager, for inspection (stats, tests); only the scheduler changes it."""
+        return self.scheduler.kv
+
+    @property
+    def proposer(self):  # noqa: ANN201 — the speculative proposer, or None
+        return self.spec.proposer
+
+    @property
+    def spec_policy(self):  # noqa: ANN201 — the speculation policy, or None
+        return self.spec.policy
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -265,12 +252,12 @@ class EngineCore:
             pending_forks=params.n - 1,
             logprobs=[] if params.logprobs is not None else None,
             matcher=matcher,
+            detok=IncrementalDetokenizer(self.tokenizer, params),
         )
-        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
-                              params, RequestMetrics(arrival_time=now))  # fmt: skip
-        state.seqs.append(seq)
-        state.detoks[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params)
-        self.requests[request_id] = state
+        prompt_text = prompt if isinstance(prompt, str) else None
+        request = Request(request_id, prompt_text, list(token_ids), params, RequestMetrics(arrival_time=now))
+        request.seqs.append(seq)
+        self.requests[request_id] = request
         self.scheduler.add(seq)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -281,14 +268,15 @@ class EngineCore:
         return gen
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks return to the pool now. False if unknown."""
-        state = self.requests.pop(request_id, None)
-        if state is None:
+        """Stop a request wherever it is and forget it; its blocks return to the pool now.
+        False if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
             return False
-        for seq in state.seqs:
+        for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self._finish(seq)
+                self.scheduler.finish(seq, "abort")
+                self.spec.release(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -296,290 +284,125 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
-        propose_seconds = self._propose()
+        """One ragged batch: propose → schedule → execute → sample/verify → update → outputs.
+        Returns the text and token deltas of every sequence that got tokens."""
+        self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             self._refresh_stats()
             return []
-        step_start = time.perf_counter()
-        # Grammar masks of the sequences that sample one token this step, filled while the
-        # forward runs (sequences with grammars never speculate).
-        will_sample = [s for s, n in out.scheduled
-                       if s.num_computed_tokens + n == s.num_tokens and not s.spec_token_ids]  # fmt: skip
-        masks = None
-        if self._structured is not None and any(s.matcher is not None for s in will_sample):
-            masks = self._structured.fill_async([s.matcher for s in will_sample])
-        self._forked = {}
-        observing = self.proposer is not None and self.proposer.needs_hidden
-        # Each scheduled sequence's first position this step (its rows follow in order).
-        starts = [seq.num_computed_tokens for seq, _ in out.scheduled] if observing else None
-        # Only small batches' forwards re-measure F (inferd.spec.step_times): larger ones skip the
-        # per-sequence look (their step still breaks a pair, as None).
-        timed = self.spec_policy is not None and len(out.scheduled) <= STEP_TIMES_MAX_BATCH
-        extra_rows = _uniform_extra_rows(out.scheduled) if timed else None
-        forward_start = time.perf_counter()
-        logits, hidden, batch = self.runner.execute(out, all_hidden=observing)
-        if self.spec_policy is not None:
-            self.spec_policy.record_forward(len(out.scheduled), extra_rows, time.perf_counter() - forward_start)
-        for seq, n in out.scheduled:
-            if seq.spec_token_ids:
-                continue  # a verification: advanced below, once the accepted drafts are known
-            # Prefill work (prompt, or recomputation after preemption) vs. a plain decode step.
-            is_prefill = n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
-            self.stats.prompt_tokens_total += n if is_prefill else 0
-            seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-
-        # Rows of the logits: each sampling sequence owns sample_counts[i] consecutive ones.
-        plain_rows: list[int] = []  # logits rows of sequences sampling one token
-        plain_seqs: list[Sequence] = []
-        spec_rows: list[int] = []
-        spec_seqs: list[Sequence] = []
-        row = 0
-        for seq, count in zip(batch.sample_seqs, batch.sample_counts):
-            if seq.spec_token_ids:
-                spec_rows.extend(range(row, row + count))
-                spec_seqs.append(seq)
-            else:
-                plain_rows.append(row)
-                plain_seqs.append(seq)
-            row += count
-        now_deltas = self._sample_plain(logits, plain_rows, plain_seqs, batch, will_sample, masks)
-        verify_start = time.perf_counter()
-        deltas = now_deltas + self._verify(logits, spec_rows, spec_seqs, batch)
-        verify_seconds = time.perf_counter() - verify_start
-        if starts is not None:
-            self._observe(out.scheduled, starts, batch.hidden)
-        if self.spec_policy is not None and spec_seqs:
-            depth = max(s.spec_depth for s in spec_seqs)
-            step_seconds = time.perf_counter() - step_start
-            own = propose_seconds + verify_seconds  # speculation's own work beyond the forward
-            self.spec_policy.record_speculation_time(own, depth, step_seconds)
-        for seq in spec_seqs:
-            seq.set_drafts([])
+        self.spec.begin_step(out)
+        masks = self._grammar_masks(out)
+        logits, _, batch = self.runner.execute(out, all_hidden=self.spec.needs_hidden)
+        self.spec.end_forward(out)
+        sampled = self._sample(logits, batch, masks) + self.spec.verify(logits, batch)
+        finished = self.scheduler.update_from_output(out, sampled)
+        self.spec.observe(out, sampled, batch)
+        deltas = self._outputs(sampled, finished)
         self._refresh_stats()
         self.stats_logger.maybe_log(self.stats)
         return deltas
 
-    def _sample_plain(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], batch,
-                      will_sample: list[Sequence], masks) -> list[SequenceDelta]:  # fmt: skip
-        """Sequences that sample one token (decodes, ends of prefills; forks of n > 1 here)."""
+    def _grammar_masks(self, out: SchedulerOutput):  # noqa: ANN202 — a future of the bitmask, or None
+        """Start filling the grammar masks of the sequences that sample one token this step (they
+        are filled while the forward runs; sequences with grammars never speculate)."""
+        if self._structured is None:
+            return None
+        will_sample = [s.matcher for s, n in out.scheduled
+                       if s.num_computed_tokens + n == s.num_tokens and not s.spec.token_ids]  # fmt: skip
+        if not any(m is not None for m in will_sample):
+            return None
+        return self._structured.fill_async(will_sample)
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch, masks) -> list[SampledTokens]:  # fmt: skip
+        """One token for each sequence that samples plainly (decodes, ends of prefills); a
+        request's n > 1 children are forked here and sample their first token off its row."""
+        rows: list[int] = []  # logits rows of the sequences sampling one token
+        seqs: list[Sequence] = []
+        row = 0
+        for seq, count in zip(batch.sample_seqs, batch.sample_counts):
+            if not seq.spec.token_ids:
+                rows.append(row)
+                seqs.append(seq)
+            row += count
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:  # verification rows are in the batch too
             logits = logits[torch.tensor(rows, device=logits.device)]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        parents: list[Sequence | None] = []
         for r, seq in enumerate(seqs):
             sample_rows.append(r)
             sample_seqs.append(seq)
-            if seq.pending_forks:
-                for child in self._fork(seq):
-                    sample_rows.append(r)
-                    sample_seqs.append(child)
+            parents.append(None)
+            for child in self._fork(seq) if seq.pending_forks else ():
+                sample_rows.append(r)
+                sample_seqs.append(child)
+                parents.append(seq)
         bitmask = masks.result() if masks is not None else None
-        if bitmask is not None and seqs != will_sample:  # never expected
+        if bitmask is not None and len(seqs) != bitmask.shape[0]:  # never expected
             bitmask = self.structured.fill([s.matcher for s in seqs])
         result = self.sampler(logits, sample_rows, sample_seqs, bitmask)
-        now = self.clock()
-        self.stats.generation_tokens_total += len(sample_seqs)
-        deltas = [self._append_tokens(seq, [tok], [lp], now)
-                  for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)]  # fmt: skip
-        return deltas
-
-    def _verify(
-        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], batch: StepBatch
-    ) -> list[SequenceDelta]:
-        """Sequences that verified draft tokens: keep the accepted ones plus the target's next
-        token, and roll the KV of the rejected ones back."""
-        if not seqs:
-            return []
-        if len(rows) != logits.shape[0]:  # plain decodes are in the batch too
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        results = verify(logits, seqs, self.eos_token_ids, self.model_config.vocab_size)
-        self._take_leaves(seqs, results, batch)
-        now = self.clock()
-        deltas: list[SequenceDelta] = []
-        stats = self.stats
-        for seq, res in zip(seqs, results):
-            k = len(seq.spec_token_ids)
-            # The last real token and the accepted drafts now have K/V; the rest is rolled back.
-            seq.num_computed_tokens += 1 + res.num_accepted
-            if self.spec_policy.leaf_width:  # a fixed draft tree: the leaves' hit rate kept apart
-                chain = res.num_accepted - (res.leaf is not None)
-                self.spec_policy.record(seq, k, chain, seq.spec_leaves, res.leaf is not None)
-            else:  # a chain, or a dynamic tree in a chain's rows: what its rows accepted
-                rows = k + len(seq.spec_leaves)
-                self.spec_policy.record(seq, rows, res.num_accepted, expected=seq.spec_expected)
-            stats.spec_num_drafts += 1
-            stats.spec_draft_tokens += k + len(seq.spec_leaves)
-            stats.spec_accepted_tokens += res.num_accepted
-            stats.spec_leaf_tokens += len(seq.spec_leaves)
-            stats.spec_accepted_leaves += res.leaf is not None
-            _count_positions(stats.spec_draft_tokens_per_position, k)
-            # (an accepted leaf counts at its depth)
-            _count_positions(stats.spec_accepted_per_position, res.num_accepted)
-            delta = self._append_tokens(seq, res.token_ids, res.logprobs, now)
-            stats.spec_emitted_tokens += len(delta.new_token_ids)
-            stats.generation_tokens_total += len(delta.new_token_ids)
-            deltas.append(delta)
-            if not seq.is_finished:
-                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
-                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        return deltas
-
-    @torch.inference_mode()  # the step's hidden states are inference tensors
-    def _take_leaves(self, seqs: list[Sequence], results: list[Verified], batch: StepBatch) -> None:
-        """An accepted draft-tree leaf takes the place of the draft it displaced: its K/V moves
-        from its scratch block to its position in the sequence's blocks, and its hidden state
-        into that draft's row (what `_observe` hands the proposer). Every scratch block is freed."""
-        src, dst = [], []
-        for seq, res in zip(seqs, results):
-            if res.leaf is None:
-                continue
-            depth = seq.spec_leaves[res.leaf][0]
-            pos = seq.num_computed_tokens + depth
-            bs = self.kv.block_size
-            src.append(self.kv.scratch[seq.seq_id][res.leaf] * bs + pos % bs)
-            dst.append(self.kv.slot(seq.seq_id, pos))
-            if batch.hidden is not None:
-                row0, first_leaf = batch.leaf_rows[seq.seq_id]
-                batch.hidden[row0 + depth] = batch.hidden[first_leaf + res.leaf]
-        if src:
-            as_tensor = self.runner.as_tensor
-            self.runner.kv_cache.copy_slots(as_tensor(src), as_tensor(dst))
-        for seq in seqs:
-            if seq.spec_leaves:
-                self.kv.free_scratch(seq.seq_id)
-
-    def _observe(self, scheduled: list[tuple[Sequence, int]], starts: list[int], hidden: torch.Tensor) -> None:
-        """Hand the proposer the hidden states of the positions each still-running sequence got
-        this step: all its rows, but of a verification only the last real token and the accepted
-        drafts (num_computed_tokens has moved past exactly those)."""
-        seqs, firsts, rows = [], [], []
-        row = 0
-        for (seq, n), start in zip(scheduled, starts):
-            done = min(n, seq.num_computed_tokens - start)
-            # Children forked this step share the parent's prompt rows (each its own next token).
-            for s in (seq, *self._forked.get(seq.seq_id, ())):
-                if not s.is_finished and done > 0:
-                    seqs.append(s)
-                    firsts.append(start)
-                    rows.append(hidden[row : row + done])
-            row += n
-        if seqs:
-            self.proposer.observe(seqs, firsts, rows)
-
-    def _propose(self) -> float:
-        """Ask the proposer for drafts for the running decodes the policy lets speculate;
-        returns the seconds it took."""
-        if self.proposer is None:
-            return 0.0
-        start = time.perf_counter()
-        decoding = [s for s in self.scheduler.running
-                    if s.num_uncomputed == 1 and s.num_output_tokens > 0]  # fmt: skip
-        for seq in decoding:  # drafts of a step that had no room for them are stale
-            seq.set_drafts([])
-        # Not speculating: grammar-constrained sequences (their masks are per position), and
-        # seeded sampling, whose promise is the same output whatever the batch — how many drafts
-        # a step verifies depends on the batch, and so would the random draws.
-        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks and s.generator is None]
-        ks = self.spec_policy.depths(eligible, len(decoding))
-        chosen, depths = [], []
-        for seq, k in zip(eligible, ks):
-            k = min(k, self.max_model_len - seq.num_tokens - 1)
-            if k > 0:
-                chosen.append(seq)
-                depths.append(k)
-        if chosen:
-            policy, batch_size = self.spec_policy, len(decoding)
-            widths = policy.leaf_widths(chosen, depths, batch_size)
-            self.proposer.propose(chosen, depths, widths,
-                                  rows=lambda values: policy.verified_rows(values, batch_size))
-        return time.perf_counter() - start
+        return [SampledTokens(seq, [tok], [lp], forked_from=parent)
+                for seq, tok, lp, parent in zip(sample_seqs, result.token_ids, result.logprobs, parents)]  # fmt: skip
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: children share the parent's prompt blocks and sample their own first token."""
-        state = self.requests[parent.request_id]
+        """n > 1: the parent's children, each with its own generator, text and draft state; the
+        scheduler gives them the parent's prompt blocks when it applies the step."""
+        request = self.requests[parent.request_id]
         children = []
         for index in range(1, parent.pending_forks + 1):
             child = parent.fork(index, self._generator(parent.params, index))
-            self.kv.fork(parent.seq_id, child.seq_id)
-            self.scheduler.add_running(child)
-            state.seqs.append(child)
-            state.detoks[child.seq_id] = IncrementalDetokenizer(self.tokenizer, parent.params)
+            child.detok = IncrementalDetokenizer(self.tokenizer, parent.params)
+            request.seqs.append(child)
+            self.spec.fork(parent, child)
             children.append(child)
-            if self.proposer is not None:
-                self.proposer.fork(parent, child)
         parent.pending_forks = 0
-        self._forked[parent.seq_id] = children
         return children
 
-    def _append_tokens(
-        self,
-        seq: Sequence,
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-        now: float,
-    ) -> SequenceDelta:
-        """Append the step's tokens one by one (several after a verification), stopping at the
-        first that ends the sequence; the rest are dropped. One delta for all of them."""
-        state = self.requests[seq.request_id]
-        detok = state.detoks[seq.seq_id]
-        appended: list[int] = []
-        new_logprobs: list[dict[int, Logprob]] = []
+    def _outputs(self, sampled: list[SampledTokens], finished: list[Sequence]) -> list[SequenceDelta]:
+        """The step's deltas; logprobs and request metrics of the tokens kept."""
+        for seq in finished:
+            self.spec.release(seq)
+        now = self.clock()
+        deltas = []
+        for s in sampled:
+            seq = s.seq
+            request = self.requests[seq.request_id]
+            n = s.num_appended
+            new_logprobs = self._add_logprobs(seq, s.token_ids[:n], s.logprobs[:n])
+            done = seq.finish_reason is not None
+            metrics = request.metrics
+            if done and metrics.finished_time is None and request.finished:
+                self.stats.requests_finished_total += 1
+                metrics.finished_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.num_cached_tokens = seq.num_cached_tokens
+            deltas.append(SequenceDelta(
+                request_id=seq.request_id,
+                index=seq.index,
+                new_token_ids=s.token_ids[:n],
+                text_delta=seq.detok.delta(done),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                new_logprobs=new_logprobs,
+            ))  # fmt: skip
+        return deltas
+
+    def _add_logprobs(self, seq: Sequence, tokens: list[int],
+                      logprobs: list[TokenLogprob | None]) -> list[dict[int, Logprob]]:  # fmt: skip
+        if seq.logprobs is None:
+            return []
+        entries = []
         for token, logprob in zip(tokens, logprobs):
-            appended.append(token)
-            self._append_one(state, seq, detok, token, logprob, new_logprobs)
-            if seq.finish_reason is not None:
-                break
-        if seq.finish_reason is not None:
-            self._finish(seq)
-            self.stats.requests_finished_total += state.finished
-            if state.finished:
-                state.metrics.finished_time = now
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-            state.metrics.num_cached_tokens = seq.num_cached_tokens
-        return SequenceDelta(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=appended,
-            text_delta=detok.delta(seq.finish_reason is not None),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            new_logprobs=new_logprobs,
-        )
-
-    def _append_one(self, state: _RequestState, seq: Sequence, detok: IncrementalDetokenizer,
-                    token: int, logprob: TokenLogprob | None, new_logprobs: list) -> None:  # fmt: skip
-        p = seq.params
-        seq.token_ids.append(token)
-        if logprob is not None and seq.logprobs is not None:
-            entry = self._logprob_entry(token, *logprob)
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += logprob[0]
-            new_logprobs.append(entry)
-        stop_str = detok.add_token(token)
-        grammar_done = seq.matcher is not None and seq.matcher.advance(token)
-        can_stop = seq.num_output_tokens >= p.min_tokens
-        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif can_stop and p.stop_token_ids and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif can_stop and stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif grammar_done:  # the grammar is complete: nothing but EOS could follow
-            seq.finish_reason = "stop"
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        if self.proposer is not None:
-            self.proposer.release(seq)
+            if logprob is not None:
+                entry = self._logprob_entry(token, *logprob)
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += logprob[0]
+                entries.append(entry)
+        return entries
 
     def _logprob_entry(self, token: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
@@ -590,14 +413,16 @@ class EngineCore:
         return entry
 
     def _refresh_stats(self) -> None:
-        s = self.stats
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.num_preemptions_total = self.scheduler.num_preemptions
+        s, sched = self.stats, self.scheduler
+        s.num_running = len(sched.running)
+        s.num_waiting = len(sched.waiting)
+        s.num_preemptions_total = sched.num_preemptions
+        s.prompt_tokens_total = sched.num_prompt_tokens_computed
+        s.generation_tokens_total = sched.num_generation_tokens
         s.num_free_blocks = self.kv.pool.num_free
         s.kv_cache_usage = self.kv.pool.usage()
-        s.prefix_cache_queries_total = self.scheduler.prefix_queries_tokens
-        s.prefix_cache_hits_total = self.scheduler.prefix_hits_tokens
+        s.prefix_cache_queries_total = sched.prefix_queries_tokens
+        s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
 
     def get_stats(self) -> EngineStats:
@@ -607,52 +432,26 @@ class EngineCore:
 
     # ---- results --------------------------------------------------------------------------
     def request_output(self, request_id: str) -> RequestOutput:
-        state = self.requests[request_id]
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=state.detoks[seq.seq_id].text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in sorted(state.seqs, key=lambda s: s.index)
-        ]
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, outputs,
-                             state.finished, state.metrics)  # fmt: skip
+        return self.requests[request_id].output()
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         """The final output of a finished request; forgets the request."""
-        output = self.request_output(request_id)
-        del self.requests[request_id]
-        return output
+        return self.requests.pop(request_id).output()
 
     def reset_prefix_cache(self) -> bool:
         """Flush the prefix cache (blocks in use by running requests stay); True if now empty."""
-        return self.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def check_no_leaks(self) -> None:
         """The invariant tests pin: with no request in flight, every block is free or held by the
         prefix cache alone, and flushing the cache leaves the pool entirely free."""
-        self.kv.check_integrity()
+        kv = self.kv
+        kv.check_integrity()
         assert not self.scheduler.running and not self.scheduler.waiting
-        assert not self.kv.block_tables, f"block tables left: {list(self.kv.block_tables)}"
-        cached = set(self.kv.prefix_cache.blocks())
-        for b, rc in enumerate(self.kv.pool.ref_counts):
+        assert not kv.block_tables, f"block tables left: {list(kv.block_tables)}"
+        cached = set(kv.prefix_cache.blocks())
+        for b, rc in enumerate(kv.pool.ref_counts):
             assert rc == 0 or (rc == 1 and b in cached), f"block {b}: ref {rc}, cached {b in cached}"
-        if self.proposer is not None:
-            self.proposer.check_no_leaks()
+        self.spec.check_no_leaks()
         assert self.reset_prefix_cache(), "prefix cache could not be flushed"
-        assert self.kv.pool.num_free == self.kv.pool.num_blocks, (
-            f"{self.kv.pool.num_blocks - self.kv.pool.num_free} KV blocks leaked"
-        )
-
-
-def _count_positions(counts: list[int], n: int) -> None:
-    """One more at each of the positions 0 .. n - 1, the list grown as needed."""
-    if len(counts) < n:
-        counts.extend([0] * (n - len(counts)))
-    for i in range(n):
-        counts[i] += 1
+        assert kv.pool.num_free == kv.pool.num_blocks, f"{kv.pool.num_blocks - kv.pool.num_free} KV blocks leaked"

@@ -211,12 +211,16 @@ Command = AddRequest | AbortRequest | CallEngine
 
 @dataclass(slots=True)
 class _Track:
-    """Bookkeeping of one request: the timings the engine does not keep."""
+    """The loop's one record of a request it accepted: the timings the engine does not keep and
+    what it holds back of the request's news. Forgetting a request is popping its track."""
 
     arrival_time: float
-    scheduled_time: float | None = None
+    final_only: bool = False  # added with stream=False: only its final output goes out
+    scheduled_time: float | None = None  # None: not given a step yet
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)  # by output index
+    streaming: bool = False  # its first tokens went out
+    held: RequestUpdate | None = None  # news not sent yet
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -240,16 +244,13 @@ class EngineLoop:
         self.emit = emit
         self.stats = core.get_stats().snapshot()
         self._stats_time = time.monotonic()  # when `stats` was taken
-        self._tracks: dict[str, _Track] = {}
-        self._unscheduled: set[str] = set()  # accepted, not yet given a step
+        self._tracks: dict[str, _Track] = {}  # accepted requests, until their end is sent
         # Requests whose grammar is compiling, in arrival order.
         self._compiling: dict[str, tuple[AddRequest, cf.Future[None]]] = {}
         self._compiler: cf.ThreadPoolExecutor | None = None
         self._interval = stream_interval
-        self._held: dict[str, RequestUpdate] = {}  # news not sent yet, by request
+        self._num_final_only = 0  # tracks with final_only
         self._held_report: StepReport | None = None  # metrics of steps that sent nothing
-        self._streaming: set[str] = set()  # requests whose first tokens went out
-        self._final_only: set[str] = set()  # requests added with stream=False
         self._last_step_sent = time.monotonic()
 
     def run(self, take: Callable[[float | None], list[Command] | None]) -> None:
@@ -287,9 +288,10 @@ class EngineLoop:
             self.emit(Replies(accepted, calls, self.stats))
         updates: dict[str, RequestUpdate] = {}
         scheduled: list[str] = []
+        ended: dict[str, _Track] = {}  # tracks of the requests that finished this step
         stepped = core.has_unfinished_requests()
         if stepped:
-            self._step(updates, scheduled, report)
+            self._step(updates, scheduled, report, ended)
         elif not commands and not accepted and not report.finished:
             # An idle poll while a grammar compiles (every 2 ms): nothing happened, and a
             # message would wake the front end for nothing.
@@ -301,8 +303,9 @@ class EngineLoop:
             or time.monotonic() - self._stats_time >= _STATS_EVERY_S
         ):
             report.stats = self._snapshot_stats()
-        if self._interval > 1 or self._final_only or self._held_report is not None:
-            ready = self._hold(updates, scheduled, report)
+        holding = self._num_final_only or any(t.held is not None for t in ended.values())
+        if self._interval > 1 or holding or self._held_report is not None:
+            ready = self._hold(updates, scheduled, report, ended)
             if ready is None:
                 return
             updates, report = ready
@@ -315,25 +318,30 @@ class EngineLoop:
         return self.stats
 
     def _hold(
-        self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport
+        self,
+        updates: dict[str, RequestUpdate],
+        scheduled: list[str],
+        report: StepReport,
+        ended: dict[str, _Track],
     ) -> tuple[dict[str, RequestUpdate], StepReport] | None:
         """What of this step's news (and the news held so far) goes out now under
         `stream_interval` and `stream=False`; None when nothing does."""
         ready: dict[str, RequestUpdate] = {}
         for rid, update in updates.items():
-            held = self._held.pop(rid, None)
-            if held is not None:
-                update = held.then(update)
+            track = self._tracks.get(rid) or ended.get(rid)
+            if track is None:  # failed (`fail_all`): its error goes out now
+                ready[rid] = update
+                continue
+            if track.held is not None:
+                update = track.held.then(update)
+                track.held = None
             if update.finished:
-                self._streaming.discard(rid)
-                self._final_only.discard(rid)
-            elif rid in self._final_only or (
-                rid in self._streaming and update.num_new_tokens < self._interval
-            ):
-                self._held[rid] = update
+                pass
+            elif track.final_only or (track.streaming and update.num_new_tokens < self._interval):
+                track.held = update
                 continue
             elif update.num_new_tokens:
-                self._streaming.add(rid)
+                track.streaming = True
             ready[rid] = update
         if self._held_report is not None:
             report = self._held_report.then(report)
@@ -362,11 +370,7 @@ class EngineLoop:
         if isinstance(cmd, AbortRequest):
             if self._compiling.pop(cmd.request_id, None) is not None:
                 return  # its grammar was still compiling: it never reached the engine
-            track = self._tracks.pop(cmd.request_id, None)
-            self._unscheduled.discard(cmd.request_id)
-            self._held.pop(cmd.request_id, None)  # its client is gone
-            self._streaming.discard(cmd.request_id)
-            self._final_only.discard(cmd.request_id)
+            track = self._forget(cmd.request_id)  # held news too: its client is gone
             if cmd.request_id not in core.requests:
                 return  # finished (or refused) before the abort arrived
             partial = core.request_output(cmd.request_id)
@@ -403,15 +407,24 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 — RequestError or worse: the request's error, not ours
             accepted.append((cmd.request_id, e))
             return
-        self._tracks[cmd.request_id] = _Track(arrival_time=cmd.arrival_time)
-        self._unscheduled.add(cmd.request_id)
-        if not cmd.stream:
-            self._final_only.add(cmd.request_id)
+        self._tracks[cmd.request_id] = _Track(cmd.arrival_time, final_only=not cmd.stream)
+        self._num_final_only += not cmd.stream
         accepted.append((cmd.request_id, None))
+
+    def _forget(self, request_id: str) -> _Track | None:
+        """Drop a request's track (and what it held back); returns it."""
+        track = self._tracks.pop(request_id, None)
+        if track is not None:
+            self._num_final_only -= track.final_only
+        return track
 
     # ---- the step -------------------------------------------------------------------------
     def _step(
-        self, updates: dict[str, RequestUpdate], scheduled: list[str], report: StepReport
+        self,
+        updates: dict[str, RequestUpdate],
+        scheduled: list[str],
+        report: StepReport,
+        ended: dict[str, _Track],
     ) -> None:
         core = self.core
         start = time.monotonic()
@@ -431,9 +444,9 @@ class EngineLoop:
             if update is None:
                 update = updates[delta.request_id] = RequestUpdate([], now)
             update.deltas.append(delta)
-        for rid in [r for r in self._unscheduled if _is_scheduled(core, r)]:
-            self._unscheduled.discard(rid)
-            track = self._tracks[rid]
+        for rid, track in self._tracks.items():
+            if track.scheduled_time is not None or not _is_scheduled(core, rid):
+                continue
             track.scheduled_time = start
             scheduled.append(rid)
             report.queue_times.append(start - track.arrival_time)
@@ -444,7 +457,7 @@ class EngineLoop:
             _time_tokens(track, update, now, report, len(core.requests[rid].prompt_token_ids))
             if core.requests[rid].finished:
                 update.output = core.pop_finished(rid)
-                del self._tracks[rid]
+                ended[rid] = self._forget(rid)
                 report.finished.append(_finished_record(track, update.output, now))
 
     def fail_all(self, error: Exception, updates: dict[str, RequestUpdate] | None = None) -> None:
@@ -459,11 +472,8 @@ class EngineLoop:
                 logger.exception("abort of %s failed", rid)
                 core.requests.pop(rid, None)
             out[rid] = RequestUpdate([], now, error=error)
-        self._tracks.clear()
-        self._unscheduled.clear()
-        self._held.clear()  # the error ends those streams
-        self._streaming.clear()
-        self._final_only.clear()
+        self._tracks.clear()  # held news too: the error ends those streams
+        self._num_final_only = 0
         if updates is None and out:
             self.emit(StepDone(out, [], None))
 

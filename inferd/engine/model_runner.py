@@ -6,7 +6,7 @@ after this step (the end of a prefill, or a decode) produce logits. A decode ver
 tokens contributes its last token followed by the drafts (q_len = 1 + k) and produces 1 + k rows
 of logits: row i is the target's distribution after draft i (row 0: after the last real token).
 
-The leaves of a draft tree (`seq.spec_leaves`: alternatives to the draft at some depth d) get rows
+The leaves of a draft tree (`seq.spec.leaves`: alternatives to the draft at some depth d) get rows
 of their own after every sequence's rows, each attended as a one-query sequence of its own: keys
 [0, p + d) of its sequence, then its own at position p + d (p: the last real token). That position
 holds the chain's draft in the sequence's blocks, so the leaf's table swaps the block holding it
@@ -26,7 +26,6 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
-from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
@@ -96,7 +95,8 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         cfg: ModelConfig,
-        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         use_attention_kernel: bool = True,
@@ -105,20 +105,17 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.cfg = cfg
-        self.kv = kv
+        self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_prefault = kv_cache_prefault
         self.kv_prefaulter: KVPrefaulter | None = None
         self._allocate_kv()
-        # The C++ kernel reads K/V in place (fp32 on the CPU); elsewhere gather + SDPA.
-        self.attention_kernel = None
-        if use_attention_kernel and device.type == "cpu" and dtype == torch.float32:
-            from inferd.kernels.paged_attention import extension
-
-            self.attention_kernel = extension()
+        # Short queries form a kernel group only where the model's attention backend has a
+        # short-query kernel (inferd/layers/attention.py); elsewhere they join the padded group.
+        self.attention_kernel = model.attention_backend.kernel if use_attention_kernel else None
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
         if device.type == "cpu":
@@ -128,7 +125,7 @@ class ModelRunner:
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py
-        data = allocate_kv_cache(self.cfg, self.kv.pool.num_blocks, self.block_size, storage, self.device)
+        data = allocate_kv_cache(self.cfg, self.num_blocks, self.block_size, storage, self.device)
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
         self.kv_caches = self.kv_cache.layers()
         self.kv_prefaulter = None
@@ -142,12 +139,10 @@ class ModelRunner:
             self.kv_prefaulter.wait(timeout)
 
     def release_kv_pages(self) -> None:
-        """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it)
-        while no block is in use. After start-up calibration (its dummy sequences write the last
-        blocks of 64 contexts, ~90 MB of a 512 MiB pool, and read the rest), an engine ran 32
-        concurrent decodes ~6% slower than one that had not calibrated (5.88 vs 5.59 s; 5.58 s
-        with the pool replaced). Why is not understood; no transparent huge pages are involved."""
-        assert self.kv.pool.num_available == self.kv.pool.num_blocks, "KV blocks still in use"
+        """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it);
+        the caller guarantees no block is in use. Start-up calibration writes and reads much of
+        the pool with dummy sequences; a fresh pool keeps serving from starting on pages in that
+        state (decoding ran measurably slower on them)."""
         self.kv_cache = self.kv_caches = None  # drop the old pool before mapping the new one
         self._allocate_kv()
 
@@ -168,17 +163,17 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         sample_counts: list[int] = []
         leaves = None
-        if any(seq.spec_leaves for seq, _ in out.scheduled):
+        if any(seq.spec.leaves for seq, _ in out.scheduled):
             leaves = _LeafRows(sum(n for _, n in out.scheduled))
-        for seq, n in out.scheduled:
+        for i, (seq, n) in enumerate(out.scheduled):
             start = seq.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
-            table = self.kv.block_tables[seq.seq_id]
+            table = out.block_tables[i]
             num_tokens = seq.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             if end > num_tokens:  # draft tokens to verify follow the last real token
-                input_ids.extend(seq.spec_token_ids[: end - num_tokens])
+                input_ids.extend(seq.spec.token_ids[: end - num_tokens])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if self.attention_kernel is not None and n <= KERNEL_MAX_QUERY:
@@ -197,9 +192,9 @@ class ModelRunner:
                 first = row0 + num_tokens - 1 - start
                 sample_rows.extend(range(first, row0 + n))
                 sample_seqs.append(seq)
-                sample_counts.append(row0 + n - first + len(seq.spec_leaves))
-                if seq.spec_leaves:
-                    scratch = self.kv.scratch[seq.seq_id]
+                sample_counts.append(row0 + n - first + len(seq.spec.leaves))
+                if seq.spec.leaves:
+                    scratch = out.scratch[seq.seq_id]
                     sample_rows.extend(leaves.add(seq, row0, start, table, scratch, bs))
         if leaves is not None:
             input_ids.extend(leaves.input_ids)
@@ -265,12 +260,13 @@ class ModelRunner:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
         final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
         if self.kv_prefaulter is not None:
-            self.kv_prefaulter.advance(self.kv.pool.high_water)
-        copies = self.kv.take_pending_copies()
-        if copies:
-            src = self.as_tensor([s for s, _ in copies])
-            dst = self.as_tensor([d for _, d in copies])
-            self.kv_cache.copy_blocks(src, dst)
+            self.kv_prefaulter.advance(out.kv_high_water)
+        if out.slot_copies:  # accepted draft-tree leaves, out of the last step's scratch blocks
+            src, dst = zip(*out.slot_copies)
+            self.kv_cache.copy_slots(self.as_tensor(list(src)), self.as_tensor(list(dst)))
+        if out.block_copies:  # copy-on-write of shared blocks
+            src, dst = zip(*out.block_copies)
+            self.kv_cache.copy_blocks(self.as_tensor(list(src)), self.as_tensor(list(dst)))
         batch = self.prepare(out)
         if batch.scratch_copies is not None and batch.scratch_copies[0]:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
@@ -311,7 +307,7 @@ class _LeafRows:
         """Rows for `seq`'s leaves; `row0`: the row of its last real token, at position `start`."""
         first = self.next_row
         self.first_rows[seq.seq_id] = (row0, first)
-        for (depth, token), block in zip(seq.spec_leaves, scratch):
+        for (depth, token), block in zip(seq.spec.leaves, scratch):
             pos = start + depth
             base = pos - pos % bs  # the block's first position
             for q in range(base, pos):  # the keys before the leaf's in its block

@@ -5,8 +5,10 @@ A sequence's block table covers token positions [0, len(table) * block_size):
 - [0, cached) blocks came from or went into the prefix cache (full blocks, never written again);
 - the rest are its own, the last one possibly partial.
 Blocks may also be shared by several sequences (n > 1 samples of one prompt); a write into a shared
-block first copies it to a fresh block (copy-on-write), recorded in `pending_copies` for the model
-runner to apply before the step's forward pass. Scratch blocks live for one step: the leaves of a
+block first copies it to a fresh block (copy-on-write), recorded in `pending_copies`; an accepted
+draft-tree leaf's K/V moves from its scratch block into the sequence's own (`move_slot`). Both kinds
+of copy travel to the model runner in the next `SchedulerOutput` (`take_pending_copies`) and run
+before that step's forward pass, so they land before any write that could follow them. Scratch blocks live for one step: the leaves of a
 speculative draft tree are verified in them (inferd/engine/model_runner.py).
 """
 
@@ -29,6 +31,7 @@ class KVCacheManager:
         self.block_tables: dict[int, list[int]] = {}
         self._num_cached_blocks: dict[int, int] = {}  # blocks [0, n) of a table are in the tree
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
+        self.pending_slot_copies: list[tuple[int, int]] = []  # (src slot, dst slot)
         self.scratch: dict[int, list[int]] = {}  # seq_id -> this step's draft-tree leaf blocks
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
@@ -129,9 +132,17 @@ class KVCacheManager:
         """Flush every cached block no running sequence uses; True if the cache is now empty."""
         return self.prefix_cache.reset()
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+    def move_slot(self, seq_id: int, src_block: int, position: int) -> None:
+        """Queue a copy of position `position`'s K/V from `src_block` (a scratch block of this
+        step) into the sequence's own block for that position."""
+        bs = self.block_size
+        self.pending_slot_copies.append((src_block * bs + position % bs, self.slot(seq_id, position)))
+
+    def take_pending_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(block copies, slot copies) queued since the last call, for the next forward pass."""
+        blocks, self.pending_copies = self.pending_copies, []
+        slots, self.pending_slot_copies = self.pending_slot_copies, []
+        return blocks, slots
 
     def check_integrity(self) -> None:
         owners = Counter(b for table in self.block_tables.values() for b in table)

@@ -11,7 +11,7 @@ follows them. Lossless by construction:
   token is then distributed exactly as p, the target's distribution after every logits
   processor, temperature, top-k / top-p and min-p — applied to draft rows as if each draft had
   already been generated (penalties see the drafts before it, min_tokens counts them).
-- a greedy sequence's draft-tree leaves (`seq.spec_leaves`: alternatives to the draft at some
+- a greedy sequence's draft-tree leaves (`seq.spec.leaves`: alternatives to the draft at some
   depth, each scored in a row of its own after the chain's rows): when the chain is rejected at
   depth d, a leaf at d equal to the target's token there is accepted, and its row's argmax
   follows it — again what one-at-a-time decoding emits.
@@ -64,15 +64,15 @@ class Verified:
     token_ids: list[int]  # accepted drafts followed by one token of the target's own
     logprobs: list[TokenLogprob | None]
     num_accepted: int  # drafts among token_ids, an accepted leaf included
-    leaf: int | None = None  # index into seq.spec_leaves of the accepted leaf
+    leaf: int | None = None  # index into seq.spec.leaves of the accepted leaf
 
 
 def draft_views(seq: Sequence) -> list[DraftView]:
     """One view per verification row: row i follows the first i drafts; then a row per leaf
     (depth d: after the first d - 1 drafts and the leaf)."""
-    drafts = seq.spec_token_ids
+    drafts = seq.spec.token_ids
     views = [DraftView(seq, drafts[:i]) for i in range(len(drafts) + 1)]
-    return views + [DraftView(seq, drafts[: d - 1] + [t]) for d, t in seq.spec_leaves]
+    return views + [DraftView(seq, drafts[: d - 1] + [t]) for d, t in seq.spec.leaves]
 
 
 def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
@@ -83,8 +83,8 @@ def verify(
     logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int
 ) -> list[Verified]:
     """logits: [sum(1 + k_s + leaves_s), V] fp32, each sequence's 1 + k rows in order, then a row
-    per leaf; `seq.spec_token_ids` are its drafts, `seq.spec_probs` the draft distributions (None:
-    deterministic drafts), `seq.spec_leaves` the leaves of a draft tree (greedy sequences)."""
+    per leaf; `seq.spec.token_ids` are its drafts, `seq.spec.probs` the draft distributions (None:
+    deterministic drafts), `seq.spec.leaves` the leaves of a draft tree (greedy sequences)."""
     if logits.shape[-1] > vocab_size:
         logits = logits[:, :vocab_size]
     views = [v for s in seqs for v in draft_views(s)]
@@ -101,7 +101,7 @@ def verify(
     results: list[Verified] = []
     row = 0
     for seq in seqs:
-        drafts = seq.spec_token_ids
+        drafts = seq.spec.token_ids
         k = len(drafts)
         leaf = None
         if seq.params.greedy:
@@ -112,14 +112,14 @@ def verify(
             rows = list(range(row, row + m + 1))
             # Rejected at depth m + 1: a leaf there that is the target's own token is accepted
             # too, and its row gives the token after it.
-            for i, (depth, token) in enumerate(seq.spec_leaves):
+            for i, (depth, token) in enumerate(seq.spec.leaves):
                 if depth == m + 1 and token == tokens[-1]:
                     leaf, m = i, m + 1
                     rows.append(row + k + 1 + i)
                     tokens.append(targets[rows[-1]])
                     break
         else:
-            assert not seq.spec_leaves, "draft-tree leaves are verified for greedy sequences only"
+            assert not seq.spec.leaves, "draft-tree leaves are verified for greedy sequences only"
             tokens = _rejection_sample(probs[row : row + k + 1], seq, drafts)
             m = len(tokens) - 1
             rows = list(range(row, row + m + 1))
@@ -128,13 +128,13 @@ def verify(
             n_top = seq.params.logprobs
             logprobs = [token_logprob(raw_logprobs[r], t, n_top) for r, t in zip(rows, tokens)]
         results.append(Verified(tokens, logprobs, m, leaf))
-        row += k + 1 + len(seq.spec_leaves)
+        row += k + 1 + len(seq.spec.leaves)
     return results
 
 
 def _rejection_sample(p: torch.Tensor, seq: Sequence, drafts: list[int]) -> list[int]:
     """p: [k + 1, V] the target's distributions for the rows of one sequence."""
-    q = seq.spec_probs
+    q = seq.spec.probs
     gen = seq.generator
     for i, x in enumerate(drafts):
         q_x = 1.0 if q is None else q[i, x].item()

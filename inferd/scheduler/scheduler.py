@@ -15,25 +15,82 @@ from dataclasses import dataclass, field
 
 from inferd.config import SchedulerConfig
 from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.sampling.sampler import TokenLogprob
 from inferd.scheduler.sequence import Sequence, SequenceStatus
+from inferd.scheduler.stop import StopCriteria
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    # (sequence, number of new tokens it computes this step), in batch order.
+    """One step's work and everything the model runner needs to run it; the runner never sees
+    the KV manager.
+
+    - `scheduled[i] = (seq, n)`: `seq` computes positions [num_computed, num_computed + n) this
+      step (a prompt chunk, a decode, or a verification of 1 + k with its drafts), in batch order;
+    - `starts[i]`: its first position this step (its num_computed_tokens when scheduled);
+    - `block_tables[i]`: its block table (covers at least those positions; read-only);
+    - `scratch[seq_id]`: the scratch blocks its draft-tree leaves are verified in;
+    - `block_copies` / `slot_copies`: (src, dst) KV copies to apply before the forward pass
+      (copy-on-write of shared blocks; accepted leaves moved out of last step's scratch blocks);
+    - `kv_high_water`: blocks of the pool ever handed out (the runner pre-faults ahead of it).
+    """
+
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    starts: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    scratch: dict[int, list[int]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    slot_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_high_water: int = 0
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @classmethod
+    def of(cls, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager) -> SchedulerOutput:
+        """A step of `scheduled`, whose slots `kv` has allocated, with what the runner needs of
+        `kv` (its pending copies are taken: they run with this step)."""
+        out = cls(scheduled)
+        out.attach_kv(kv)
+        return out
+
+    def attach_kv(self, kv: KVCacheManager) -> None:
+        tables = kv.block_tables
+        self.starts = [seq.num_computed_tokens for seq, _ in self.scheduled]
+        self.block_tables = [tables[seq.seq_id] for seq, _ in self.scheduled]
+        if kv.scratch:
+            self.scratch = {seq.seq_id: kv.scratch[seq.seq_id] for seq, _ in self.scheduled
+                            if seq.seq_id in kv.scratch}  # fmt: skip
+        self.block_copies, self.slot_copies = kv.take_pending_copies()
+        self.kv_high_water = kv.pool.high_water
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """What sampling or verification produced for one sequence in a step."""
+
+    seq: Sequence
+    token_ids: list[int]  # one sampled token; or accepted drafts then the target's own token
+    logprobs: list[TokenLogprob | None]
+    num_accepted: int | None = None  # a verification: drafts accepted (an accepted leaf counts)
+    leaf: int | None = None  # a verification: index of the accepted draft-tree leaf
+    forked_from: Sequence | None = None  # n > 1: a child sampling its first token off the parent
+    num_appended: int = 0  # set by `update_from_output`: tokens kept (up to the one that stopped)
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Owns the request states and the KV manager: nothing else allocates, frees or caches
+    blocks. `schedule()` picks a step's work; `update_from_output()` applies what it produced."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopCriteria | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.stop = stop
+        self.num_prompt_tokens_computed = 0  # prefill work, recomputation after preemption included
+        self.num_generation_tokens = 0  # tokens appended to outputs
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,8 +115,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks; `reason`
+        (e.g. "abort") is its finish reason unless it has one."""
+        if reason is not None and seq.finish_reason is None:
+            seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -69,11 +129,11 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        if seq.spec_token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
-            n = min(1 + len(seq.spec_token_ids), budget)
-            seq.trim_drafts(n - 1)
-            if len(seq.spec_leaves) > budget - n:  # a tree's leaves take rows of the budget too
-                seq.spec_leaves = seq.spec_leaves[: budget - n]
+        if seq.spec.token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
+            n = min(1 + len(seq.spec.token_ids), budget)
+            seq.spec.trim(n - 1)
+            if len(seq.spec.leaves) > budget - n:  # a tree's leaves take rows of the budget too
+                seq.spec.leaves = seq.spec.leaves[: budget - n]
             return n
         n = min(seq.num_uncomputed, budget)
         if self.config.long_prefill_token_threshold is not None:
@@ -90,7 +150,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
-        seq.set_drafts([])
+        seq.spec.clear()
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -109,7 +169,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            is_prefill = seq.num_uncomputed > 1 and not seq.spec_token_ids
+            is_prefill = seq.num_uncomputed > 1 and not seq.spec.token_ids
             if is_prefill and prefill_room is None:
                 prefill_room = self._prefill_room(num_decodes)
             room = min(budget, prefill_room) if is_prefill else budget
@@ -127,12 +187,12 @@ class Scheduler:
                 # verified). Leaves are optional: they never take the block another running
                 # sequence may need this step (which would preempt someone); then the chain alone
                 # is verified.
-                leaves = len(seq.spec_leaves)
+                leaves = len(seq.spec.leaves)
                 if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=len(self.running)):
-                    seq.spec_leaves = []
+                    seq.spec.leaves = []
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
-                budget -= n + len(seq.spec_leaves)
+                budget -= n + len(seq.spec.leaves)
                 if is_prefill:
                     prefill_room -= n
                 else:
@@ -177,7 +237,55 @@ class Scheduler:
             budget -= n
             prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.attach_kv(self.kv)
         return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[Sequence]:
+        """Apply a step's results: advance each scheduled sequence past what it computed, register
+        forked children, append the sampled and verified tokens (each stopped at the first that
+        ends it), roll back the KV of rejected drafts, offer completed blocks to the prefix
+        cache, free finished sequences. Returns the sequences that finished."""
+        for seq, n in out.scheduled:
+            if seq.spec.token_ids:
+                continue  # a verification: advanced below, once the accepted drafts are known
+            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += n  # a prompt chunk or a recomputation
+            seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for s in sampled:
+            if s.forked_from is not None:  # shares every block of its parent's prompt
+                s.seq.num_computed_tokens = s.forked_from.num_computed_tokens
+                self.kv.fork(s.forked_from.seq_id, s.seq.seq_id)
+                self.add_running(s.seq)
+        finished: list[Sequence] = []
+        for s in sampled:
+            seq = s.seq
+            if s.num_accepted is not None:
+                if s.leaf is not None:  # the leaf's K/V takes the place of the draft it displaced
+                    pos = seq.num_computed_tokens + seq.spec.leaves[s.leaf][0]
+                    self.kv.move_slot(seq.seq_id, self.kv.scratch[seq.seq_id][s.leaf], pos)
+                self.kv.free_scratch(seq.seq_id)
+                # The last real token and the accepted drafts now have K/V.
+                seq.num_computed_tokens += 1 + s.num_accepted
+            for token in s.token_ids:
+                self.stop.append(seq, token)
+                s.num_appended += 1
+                if seq.finish_reason is not None:
+                    break
+            self.num_generation_tokens += s.num_appended
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                finished.append(seq)
+            elif s.num_accepted is not None:
+                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)  # rejected drafts' K/V
+                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if s.num_accepted is not None:
+                seq.spec.clear()
+        return finished
+
+    def reset_prefix_cache(self) -> bool:
+        """Flush the prefix cache (blocks in use by running requests stay); True if now empty."""
+        return self.kv.reset_prefix_cache()
 
     def _cached_prefix_len(self, seq: Sequence) -> int:
         """Tokens of a waiting `seq` the prefix cache could serve now, looked up once per change

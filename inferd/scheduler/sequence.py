@@ -30,6 +30,54 @@ class Logprob:
 
 
 @dataclass(eq=False, slots=True)
+class SpecState:
+    """A sequence's speculative-decoding state: the drafts proposed to follow its tokens (verified
+    in its next step), and the depth policy's record of how it has fared."""
+
+    # Draft tokens, and the draft distributions they were sampled from ([k, vocab]; None: chosen
+    # deterministically — the acceptance rule depends on it).
+    token_ids: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+    # Leaves of a draft tree (greedy sequences only): (depth, token) alternatives to the draft at
+    # that depth (1-based), each verified in a row of its own that sees the drafts above it.
+    leaves: list[tuple[int, int]] = field(default_factory=list)
+    depth: int = 0  # how deep the drafts were drafted
+    # The proposer's own expectation of how many of the drafts and leaves are accepted (a ranking
+    # proposer's: the sum of their path probabilities), None where it has none.
+    expected: float | None = None
+    policy_state: Any = None  # the depth policy's per-sequence record (inferd.spec.policy)
+
+    def set(self, token_ids: list[int], probs: torch.Tensor | None = None,
+            leaves: list[tuple[int, int]] | None = None,
+            depth: int | None = None, expected: float | None = None) -> None:  # fmt: skip
+        """`depth`: how deep the proposer drafted (default: the chain's length; a dynamic draft
+        tree verifies fewer of its drafts and some runner-ups instead). `expected`: how many of
+        the drafts and leaves the proposer expects accepted, if it knows."""
+        self.token_ids = token_ids
+        self.probs = probs
+        self.leaves = leaves or []
+        self.depth = len(token_ids) if depth is None else depth
+        self.expected = expected
+
+    def clear(self) -> None:
+        """No drafts (the policy's record stays)."""
+        self.set([])
+
+    def trim(self, k: int) -> None:
+        """Keep the first k draft tokens (the step's token budget had no room for the rest)."""
+        rows = len(self.token_ids) + len(self.leaves)
+        if len(self.token_ids) > k:
+            self.token_ids = self.token_ids[:k]
+            if self.probs is not None:
+                self.probs = self.probs[:k]
+        if self.leaves and self.leaves[-1][0] > k:
+            self.leaves = [(d, t) for d, t in self.leaves if d <= k]
+        self.depth = min(self.depth, len(self.token_ids) + len(self.leaves))
+        if len(self.token_ids) + len(self.leaves) < rows:
+            self.expected = None  # the proposer's expectation was for the rows it chose
+
+
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     index: int  # which of the request's n outputs this is
@@ -53,18 +101,9 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     # Structured output: the sequence's grammar matcher (inferd.structured.GrammarMatcher).
     matcher: Any = None
-    # Speculative decoding: draft tokens proposed to follow token_ids, verified this step, and
-    # the draft's distributions they were sampled from ([k, vocab]; None: chosen deterministically).
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_probs: torch.Tensor | None = None
-    # Leaves of a draft tree (greedy sequences only): (depth, token) alternatives to the draft at
-    # that depth (1-based), each verified in a row of its own that sees the drafts above it.
-    spec_leaves: list[tuple[int, int]] = field(default_factory=list)
-    spec_depth: int = 0  # how deep the drafts were drafted (set_drafts)
-    # The proposer's own expectation of how many of the drafts and leaves are accepted (a ranking
-    # proposer's: the sum of their path probabilities), None where it has none.
-    spec_expected: float | None = None
-    spec_state: Any = None  # the speculation policy's per-sequence record (inferd.spec.policy)
+    # The text so far and stop strings (inferd.engine.detokenizer.IncrementalDetokenizer).
+    detok: Any = None
+    spec: SpecState = field(default_factory=lambda: SpecState())  # speculative decoding's
 
     @property
     def num_tokens(self) -> int:
@@ -85,31 +124,6 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    def set_drafts(self, token_ids: list[int], probs: torch.Tensor | None = None,
-                   leaves: list[tuple[int, int]] | None = None,
-                   depth: int | None = None, expected: float | None = None) -> None:  # fmt: skip
-        """`depth`: how deep the proposer drafted (default: the chain's length; a dynamic draft
-        tree verifies fewer of its drafts and some runner-ups instead). `expected`: how many of
-        the drafts and leaves the proposer expects accepted, if it knows."""
-        self.spec_token_ids = token_ids
-        self.spec_probs = probs
-        self.spec_leaves = leaves or []
-        self.spec_depth = len(token_ids) if depth is None else depth
-        self.spec_expected = expected
-
-    def trim_drafts(self, k: int) -> None:
-        """Keep the first k draft tokens (the step's token budget had no room for the rest)."""
-        rows = len(self.spec_token_ids) + len(self.spec_leaves)
-        if len(self.spec_token_ids) > k:
-            self.spec_token_ids = self.spec_token_ids[:k]
-            if self.spec_probs is not None:
-                self.spec_probs = self.spec_probs[:k]
-        if self.spec_leaves and self.spec_leaves[-1][0] > k:
-            self.spec_leaves = [(d, t) for d, t in self.spec_leaves if d <= k]
-        self.spec_depth = min(self.spec_depth, len(self.spec_token_ids) + len(self.spec_leaves))
-        if len(self.spec_token_ids) + len(self.spec_leaves) < rows:
-            self.spec_expected = None  # the proposer's expectation was for the rows it chose
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -15,6 +15,7 @@ import time
 import torch
 
 from inferd.engine.model_runner import ModelRunner
+from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.sampling.params import SamplingParams
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
@@ -48,15 +49,14 @@ def _pairs(
 
 
 def measure_verify_cost(
-    runner: ModelRunner, k: int, max_batch: int, vocab_size: int, context: int = 128,
-    repeats: int = 3, leaves: int = 0,
+    runner: ModelRunner, kv: KVCacheManager, k: int, max_batch: int, vocab_size: int,
+    context: int = 128, repeats: int = 3, leaves: int = 0,
 ) -> tuple[dict[int, list[float]], dict[int, float]]:  # fmt: skip
     """F per batch size: [F(1), ..., F(k)], for the sizes the KV pool has room for (dummy
     sequences, freed after). Plain and verification steps alternate and the median ratio is kept,
     so that load from other processes hits both sides alike; F is made non-decreasing in the
     depth and in the batch size. Second: with `leaves` > 0, the cost of one leaf row by batch size
     (verifications of k drafts and `leaves` leaves against k drafts alone), else empty."""
-    kv = runner.kv
     gen = torch.Generator().manual_seed(0)
     costs: dict[int, list[float]] = {}
     leaf_costs: dict[int, float] = {}
@@ -77,13 +77,13 @@ def measure_verify_cost(
                 drafts[seq.seq_id] = tokens[context:]
                 seqs.append(seq)
             batch = seqs[:size]
-            plain = SchedulerOutput([(s, 1) for s in batch])
+            plain = SchedulerOutput.of([(s, 1) for s in batch], kv)
             below = costs[max(costs)] if costs else [0.0] * k  # the next smaller batch's
             by_depth: list[float] = []
             for j in range(1, k + 1):
                 for s in batch:
-                    s.set_drafts(drafts[s.seq_id][:j])
-                verify = SchedulerOutput([(s, 1 + j) for s in batch])
+                    s.spec.set(drafts[s.seq_id][:j])
+                verify = SchedulerOutput.of([(s, 1 + j) for s in batch], kv)
                 runner.execute(verify)  # warm-up
                 ratios = [_seconds(runner, verify) / _seconds(runner, plain)
                           for _ in range(_pairs(runner, verify, plain, repeats))]  # fmt: skip
@@ -93,25 +93,27 @@ def measure_verify_cost(
             fresh = [s for s in batch if s.seq_id not in kv.scratch]
             if leaves and all(kv.allocate_scratch(s.seq_id, leaves) for s in fresh):
                 for s in batch:
-                    s.spec_leaves = sorted((1 + i % k, 0) for i in range(leaves))  # in depth order
+                    s.spec.leaves = sorted((1 + i % k, 0) for i in range(leaves))  # in depth order
+                verify = SchedulerOutput.of([(s, 1 + k) for s in batch], kv)  # with the scratch
                 runner.execute(verify)  # warm-up
                 ratios = []
                 for _ in range(repeats):
                     with_leaves = _seconds(runner, verify)
                     for s in batch:
-                        s.spec_leaves, leaves_of = [], s.spec_leaves
+                        s.spec.leaves, leaves_of = [], s.spec.leaves
                     ratios.append(with_leaves / _seconds(runner, verify))
                     for s in batch:
-                        s.spec_leaves = leaves_of
+                        s.spec.leaves = leaves_of
                 for s in batch:
-                    s.spec_leaves = []
+                    s.spec.leaves = []
                 extra = statistics.median(ratios) - 1.0
                 per_leaf = max(0.0, extra * (1.0 + by_depth[-1]) / leaves)
                 leaf_costs[size] = max([per_leaf, *leaf_costs.values()])
     finally:
         for s in seqs:
-            s.spec_leaves = []
+            s.spec.leaves = []
             kv.free(s.seq_id)
+        assert kv.pool.num_available == kv.pool.num_blocks, "KV blocks still in use"
         runner.release_kv_pages()
     by_size = (f"{b}: {'/'.join(f'{f:.2f}' for f in c)}" for b, c in costs.items())
     logger.info("speculation: verification cost of 1..%d drafts by batch size: %s", k,

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from inferd.config import SpeculativeConfig
 from inferd.engine.model_runner import ModelRunner
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.loader import ModelLoadError, load_model
@@ -26,10 +24,8 @@ from inferd.sampling.rejection import DraftView
 from inferd.sampling.sampler import argmax_rows, draw, sampling_distribution
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
-from inferd.spec.proposer import Proposer
+from inferd.spec.proposer import Proposer, ProposerContext
 
-if TYPE_CHECKING:
-    from inferd.engine.core import EngineCore
 
 
 @dataclass(slots=True)
@@ -41,30 +37,30 @@ class _Shadow:
 class DraftModelProposer(Proposer):
     method = "draft_model"
 
-    def __init__(self, engine: EngineCore, spec: SpeculativeConfig) -> None:
-        quantization = spec.quantization or engine.config.quantization
+    def __init__(self, ctx: ProposerContext) -> None:
+        spec = ctx.spec
+        quantization = spec.quantization or ctx.quantization
         loaded = load_model(spec.model, verbose=False, quantization=quantization)
         cfg = loaded.config
-        if loaded.tokenizer.hf.get_vocab() != engine.tokenizer.hf.get_vocab():
+        if loaded.tokenizer.hf.get_vocab() != ctx.tokenizer.hf.get_vocab():
             raise ValueError(
                 f"draft model {spec.model}: its tokenizer differs from the target's; a draft "
                 "model must share the target's vocabulary"
             )
-        if cfg.vocab_size > engine.model_config.vocab_size:
+        if cfg.vocab_size > ctx.model_config.vocab_size:
             raise ValueError(f"draft model {spec.model}: vocab size {cfg.vocab_size} is larger than "
-                             f"the target's {engine.model_config.vocab_size}")  # fmt: skip
+                             f"the target's {ctx.model_config.vocab_size}")  # fmt: skip
         try:
-            model = build_model(cfg, loaded.weights, max_positions=engine.max_model_len,
-                                dtype=engine.dtype, device=engine.device, quantization=quantization,
-                                quantization_group_size=engine.config.quantization_group_size)  # fmt: skip
+            model = build_model(cfg, loaded.weights, max_positions=ctx.max_model_len,
+                                dtype=ctx.dtype, device=ctx.device, quantization=quantization,
+                                quantization_group_size=ctx.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         # As many tokens as the target's pool: every running sequence can have its shadow.
-        self.kv = KVCacheManager(engine.kv.pool.num_blocks, engine.kv.block_size,
-                                 engine.config.cache.enable_prefix_caching)  # fmt: skip
-        self.runner = ModelRunner(model, cfg, self.kv, engine.dtype, engine.device)
-        self.vocab_size = engine.model_config.vocab_size
-        self.eos_token_ids = engine.eos_token_ids
+        self.kv = KVCacheManager(ctx.num_kv_blocks, ctx.block_size, ctx.enable_prefix_caching)
+        self.runner = ModelRunner(model, cfg, ctx.num_kv_blocks, ctx.block_size, ctx.dtype, ctx.device)
+        self.vocab_size = ctx.model_config.vocab_size
+        self.eos_token_ids = ctx.eos_token_ids
         self.shadows: dict[int, _Shadow] = {}
 
     # ---- per-sequence shadow state ----------------------------------------------------------
@@ -122,7 +118,7 @@ class DraftModelProposer(Proposer):
         active = list(range(len(targets)))
         first = True
         while active:
-            logits, _, _ = self.runner.execute(SchedulerOutput(scheduled))
+            logits, _, _ = self.runner.execute(SchedulerOutput.of(scheduled, self.kv))
             for shadow, n in scheduled:
                 shadow.num_computed_tokens += n
                 if first:  # only the target's own tokens go into the draft's prefix cache
@@ -142,7 +138,7 @@ class DraftModelProposer(Proposer):
             scheduled = [(shadow_of[i], 1) for i in still]
             active = still
         for seq, toks, p in zip(targets, drafts, probs):
-            seq.set_drafts(toks, torch.stack(p) if p else None)
+            seq.spec.set(toks, torch.stack(p) if p else None)
 
     def _sample(self, logits: torch.Tensor, views: list[DraftView]) -> tuple[list[int], torch.Tensor | None]:
         """Draft tokens drawn as the target would draw them; the distributions of sampled rows."""

@@ -2,7 +2,7 @@
 state at the last accepted position and the embedding of the token that followed, attends over
 the same pairs at every earlier position, predicts the next hidden state, and the target's own LM
 head turns it into a draft token; chained k times. The head is trained by
-`python -m inferd.spec.train_eagle` (inferd.spec.eagle_head).
+`python -m inferd.train.train_eagle`.
 
 Per sequence the proposer keeps the head's keys and values of every position the target computed
 (a `DraftCache`, fed by `observe` after each step from the target's hidden states of the step's
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from inferd.config import SpeculativeConfig
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.draft_tree import chosen_nodes, ranked_nodes
-from inferd.spec.eagle_head import DraftCache
-from inferd.spec.proposer import Proposer
+from inferd.spec.draft_cache import DraftCache
+from inferd.spec.proposer import Proposer, ProposerContext
 
-if TYPE_CHECKING:
-    from inferd.engine.core import EngineCore
 
 
 # Rows a sequence may hold unobserved before they are fed anyway (2.3 KB each at the default
@@ -73,15 +69,16 @@ class EagleProposer(Proposer):
     method = "eagle"
     needs_hidden = True
 
-    def __init__(self, engine: EngineCore, spec: SpeculativeConfig) -> None:
+    def __init__(self, ctx: ProposerContext) -> None:
+        spec = ctx.spec
         from inferd.spec.eagle_head import EagleHead
 
         # int4 linears on the CPU (the engine's packed tiles): a draft step streams every weight
         # of the head, k times per target step; drafts are only proposals, verification decides.
-        self.head = EagleHead.load(spec.model, engine.runner.model, engine.device, engine.dtype, quantize=True)
+        self.head = EagleHead.load(spec.model, ctx.target, ctx.device, ctx.dtype, quantize=True)
         # The target keeps the outputs of the layers the head reads beside its final hidden
         # state (EAGLE-3's features); the runner hands them over after it in each row.
-        engine.runner.model.capture_layers = self.head.feature_layers
+        ctx.target.capture_layers = self.head.feature_layers
         # Greedy chains spend their rows on the likeliest nodes of the chain and each depth's
         # runner-up and third (inferd.spec.draft_tree), as many as the engine's `rows` says,
         # unless a fixed draft tree is asked for (draft_topk > 1).
@@ -89,7 +86,7 @@ class EagleProposer(Proposer):
         self.ranks_drafts = self.dynamic_tree
         self.caches: dict[int, DraftCache] = {}
         self.pending: dict[int, _Pending] = {}  # by sequence: rows not yet in its cache
-        self._warm_up(engine.max_model_len, spec.num_speculative_tokens, engine.device, engine.dtype)
+        self._warm_up(ctx.max_model_len, spec.num_speculative_tokens, ctx.device, ctx.dtype)
 
     @torch.inference_mode()
     def _warm_up(self, max_model_len: int, k: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -179,11 +176,11 @@ class EagleProposer(Proposer):
                 budget = k if rows is None else rows(values)
                 chain, picked = chosen_nodes(nodes, budget)
                 leaves = [(d, others[i][d - 1][a]) for d, a in picked]
-                seq.set_drafts(row[:chain], leaves=leaves, depth=k, expected=sum(values[:budget]))
+                seq.spec.set(row[:chain], leaves=leaves, depth=k, expected=sum(values[:budget]))
                 continue
             # A draft tree: the head's next w likeliest tokens at each depth, leaves off the chain.
             leaves = [(d + 1, t) for d in range(k) for t in alts[i][d][:w]] if w else None
-            seq.set_drafts(row[:k], leaves=leaves)
+            seq.spec.set(row[:k], leaves=leaves)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         cache = self.caches.get(parent.seq_id)

@@ -81,7 +81,7 @@ class NgramProposer(Proposer):
             index = self.indexes.get(seq.seq_id)
             if index is None:
                 index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
-            seq.set_drafts(index.lookup(seq.token_ids, k))
+            seq.spec.set(index.lookup(seq.token_ids, k))
 
     def release(self, seq: Sequence) -> None:
         self.indexes.pop(seq.seq_id, None)

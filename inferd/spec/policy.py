@@ -252,9 +252,9 @@ class SpecPolicy:
             probe_every = max(_STALE_PROBE_EVERY, probe_interval(0.0, batch_size))
         ks = []
         for seq in seqs:
-            state = seq.spec_state
+            state = seq.spec.policy_state
             if state is None:
-                state = seq.spec_state = self._fresh_state(costs[1] - 1.0)
+                state = seq.spec.policy_state = self._fresh_state(costs[1] - 1.0)
             k = best_depth(self.acceptance(state), self.k_max, costs.__getitem__)
             if k == 0:
                 state.steps_off += 1
@@ -300,7 +300,7 @@ class SpecPolicy:
         for seq, k in zip(seqs, ks):
             pays = False
             if k > 0 and seq.params.greedy:
-                a = self.acceptance(seq.spec_state)
+                a = self.acceptance(seq.spec.policy_state)
                 tokens, cost = expected_tokens(a, k), self.cost(batch_size, k)
                 with_leaves = (tokens + (1.0 - a**k) * h) / (cost + leaf_cost * self.leaf_width * k)
                 pays = with_leaves > tokens / cost * 1.02
@@ -327,7 +327,7 @@ class SpecPolicy:
         """A verification's outcome: drafts 1..num_accepted matched, the next one (if any) did not;
         `leaves` (depth, token) were verified too, and one was accepted if `leaf_hit`. `expected`:
         the proposer's predicted accepted count, for ranked drafts."""
-        state = seq.spec_state
+        state = seq.spec.policy_state
         if state is None or num_drafts == 0:
             return
         if expected is not None:

@@ -4,28 +4,46 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from inferd.config import ModelConfig, SpeculativeConfig
+from inferd.loader.tokenizer import Tokenizer
 from inferd.scheduler.sequence import Sequence
 
-if TYPE_CHECKING:
-    from inferd.engine.core import EngineCore
+
+@dataclass(frozen=True, slots=True)
+class ProposerContext:
+    """What a proposer may know of the engine it drafts for; nothing else of it is reachable."""
+
+    spec: SpeculativeConfig
+    target: torch.nn.Module  # the target model (an eagle head reads its embedding and LM head)
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    quantization: str  # the target's --quantization (a draft model's default)
+    quantization_group_size: int
+    num_kv_blocks: int  # the target's KV pool (a draft model's own pool has as many tokens)
+    block_size: int
+    enable_prefix_caching: bool
 
 
 class Proposer(ABC):
     """Proposes draft tokens for decoding sequences. Contract:
-    - `propose` sets each sequence's drafts with `seq.set_drafts(tokens, probs)`, at most its `k`
+    - `propose` sets each sequence's drafts with `seq.spec.set(tokens, probs)`, at most its `k`
       (fewer or none is fine: a sequence with no drafts decodes one token as usual). `probs` are
       the distributions the drafts were *sampled* from ([n, vocab]); None when they were chosen
       deterministically (argmax, lookup) — the sampler's acceptance rule depends on it.
       `widths[i]` > 0 lets a proposer that ranks alternatives (eagle) add up to that many leaves
-      per depth (`set_drafts(..., leaves=[(depth, token), ...])`, in depth order); others ignore it.
+      per depth (`seq.spec.set(..., leaves=[(depth, token), ...])`, in depth order); others ignore it.
     - A proposer that `ranks_drafts` (eagle's dynamic tree) knows, for a greedy sequence, the
       probability that each node it could verify is the target's: it drafts the `k` asked, ranks
       the nodes and asks `rows(values)` (the values of its k likeliest nodes, descending) how many
-      of them to verify, recording their sum with `set_drafts(..., expected=...)`. Without `rows`
+      of them to verify, recording their sum with `seq.spec.set(..., expected=...)`. Without `rows`
       it verifies k.
     - `observe` receives, after every step and only if `needs_hidden`, the target's final hidden
       states of the positions the step computed for each running sequence: its first position
@@ -55,10 +73,9 @@ class Proposer(ABC):
         """With no request in flight, nothing per-sequence is held."""
 
 
-def build_proposer(engine: EngineCore) -> Proposer | None:
-    spec = engine.config.speculative
-    if spec is None:
-        return None
+def build_proposer(ctx: ProposerContext) -> Proposer:
+    """The proposer `ctx.spec.method` names."""
+    spec = ctx.spec
     if spec.method == "ngram":
         from inferd.spec.ngram import NgramProposer
 
@@ -66,7 +83,7 @@ def build_proposer(engine: EngineCore) -> Proposer | None:
     if spec.method == "draft_model":
         from inferd.spec.draft_model import DraftModelProposer
 
-        return DraftModelProposer(engine, spec)
+        return DraftModelProposer(ctx)
     from inferd.spec.eagle import EagleProposer
 
-    return EagleProposer(engine, spec)
+    return EagleProposer(ctx)
