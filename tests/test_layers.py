@@ -242,8 +242,8 @@ def test_top_k_top_p_kernel_keeps_what_the_sort_keeps():
     nucleus = top_p < 1
     slow = _filter_top_k_top_p_sorted(logits[nucleus], top_k[nucleus], top_p[nucleus])
     _kept_sets_agree(fast[nucleus], slow, logits[nucleus], top_k[nucleus], top_p[nucleus])
-    # top_p 1 keeps the whole top-k set (the sorted path's fp32 cumulative sum reaches 1.0 early
-    # on a peaked row and dropped its tail there).
+    # top_p 1 keeps the whole top-k set (a sorted fp32 cumulative sum can reach 1.0 before a
+    # peaked row's tail, which a cut at top_p would then drop).
     for r in (~nucleus).nonzero().flatten().tolist():
         k = int(top_k[r]) if 0 < int(top_k[r]) < v else v
         want = torch.full((v,), float("-inf"))
