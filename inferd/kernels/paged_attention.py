@@ -1,5 +1,6 @@
-"""The C++ paged attention for short queries (csrc/paged_attention.h): part of the CPU kernels'
-extension (inferd/kernels/quant_gemm.py), built on first use."""
+"""The C++ paged attention for short queries (csrc/paged_attention.h), the "cpu" attention
+backend's `kernel` (inferd/layers/attention.py): part of the CPU kernels' extension
+(inferd/kernels/quant_gemm.py), built on first use."""
 
 from __future__ import annotations
 
