@@ -6,20 +6,44 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from inferd.engine_args import add_engine_args, engine_config_from_args
 from inferd.logging_setup import configure_logging
 
+if TYPE_CHECKING:
+    from inferd.loader.tokenizer import Tokenizer
 
-def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+# Enough for a full answer from a chat model, which ends its turn itself; a cap for --raw text.
+DEFAULT_MAX_TOKENS = 512
+
+
+def _sampling_args(
+    parser: argparse.ArgumentParser, temperature: float, repetition_penalty: float
+) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=temperature)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="most tokens to generate (default: %(default)s; a chat model usually "
+                   "ends its turn first)")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help="0 = greedy (default: %(default)s)")  # fmt: skip
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (default: 0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens under min-p x the top token's probability "
+                   "(default: 0 = off)")  # fmt: skip
+    g.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
+                   help="> 1 makes every token already in the prompt or output less likely; "
+                   "1 = off (default: %(default)s)")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, -2 to 2 "
+                   "(default: 0)")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once per earlier occurrence in the output, -2 to 2 "
+                   "(default: 0)")  # fmt: skip
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of this request's sampling: the same output at "
+                   "temperature > 0")  # fmt: skip
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -29,6 +53,7 @@ def _sampling_params(args: argparse.Namespace):
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.sampling_seed, stop=args.stop,
     )  # fmt: skip
 
@@ -80,17 +105,25 @@ def _stream(engine, prompt, params, out=sys.stdout) -> _StreamResult:
     return res
 
 
+def generate_prompt(tokenizer: Tokenizer, text: str, raw: bool) -> tuple[list[int], bool]:
+    """The token ids `inferd generate` sends for `text`, and whether they are the chat template's:
+    the model's template around one user turn (what an instruct model was trained on) unless
+    `raw` or the model has none, else `text` as a plain completion."""
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(text), False
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(turn, add_special_tokens=False), True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _build_engine(args)
     params = _sampling_params(args)
-    prompt = args.prompt
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
-    if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    else:
-        sys.stdout.write(prompt)
+    text = args.prompt
+    if text is None or text == "-":
+        text = sys.stdin.read()
+    prompt, templated = generate_prompt(engine.tokenizer, text, args.raw)
+    if not templated:
+        sys.stdout.write(text)  # a completion continues the prompt: show both
     res = _stream(engine, prompt, params)
     sys.stdout.write("\n")
     if res.ttft is not None:
@@ -204,15 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or none: stdin)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--raw", action="store_true",
+                   help="plain completion: send the prompt as it is (default: inside the model's "
+                   "chat template, as one user turn, where the model has one)")  # fmt: skip
+    p.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default now
     add_engine_args(p)
-    _sampling_args(p, temperature=0.0)
+    # Greedy answers of a small instruct model tend to loop ("la femme au roi, la femme au roi,
+    # ..."); 1.1 stops that, as llama.cpp's long-standing default does, and keeps greedy's
+    # determinism. Chat samples instead, and a penalty over a whole conversation's words would
+    # grow with it.
+    _sampling_args(p, temperature=0.0, repetition_penalty=1.1)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
-    _sampling_args(p, temperature=0.7)
+    _sampling_args(p, temperature=0.7, repetition_penalty=1.0)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("info", help="architecture, parameters, dtype, context, KV bytes per token")

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from inferd import cli
+from inferd.engine.core import EngineCore
 from tests.real_model import default_gguf
 
 
@@ -15,7 +19,7 @@ def _inferd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
 
 
 def test_generate_streams_greedy_text_and_reports_speed():
-    r = _inferd("generate", "The capital of France is", "--max-tokens", "8",
+    r = _inferd("generate", "--raw", "The capital of France is", "--max-tokens", "8",
                 "--kv-cache-memory", "64MiB")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is Paris")
@@ -23,12 +27,78 @@ def test_generate_streams_greedy_text_and_reports_speed():
 
 
 def test_generate_with_int8_kv_cache():
-    r = _inferd("generate", "The capital of France is", "--max-tokens", "8",
+    r = _inferd("generate", "--raw", "The capital of France is", "--max-tokens", "8",
                 "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "int8")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is Paris")
     # 64 MiB / 12,240 bytes per token = 5,482 tokens, in whole 16-token blocks.
     assert "KV cache: 342 blocks, 5472 tokens" in r.stderr and "int8 + fp32 scale" in r.stderr
+
+
+class _Seen:
+    """What `inferd generate` handed the (real) engine: the tokenizer, prompt and parameters."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[object, object, object]] = []
+        real = EngineCore.add_request
+
+        def add_request(engine, request_id, prompt, params=None, *args, **kwargs):
+            self.calls.append((engine.tokenizer, prompt, params))
+            return real(engine, request_id, prompt, params, *args, **kwargs)
+
+        monkeypatch.setattr(EngineCore, "add_request", add_request)
+
+
+def _generate_in_process(monkeypatch, capsys, *args: str) -> tuple[_Seen, str]:
+    seen = _Seen(monkeypatch)
+    assert cli.main(["--log-level", "WARNING", "generate", *args, "--max-tokens", "2",
+                     "--kv-cache-memory", "64MiB", "--kv-cache-prefault", "0"]) == 0  # fmt: skip
+    assert len(seen.calls) == 1
+    return seen, capsys.readouterr().out
+
+
+def test_generate_wraps_the_prompt_in_the_chat_template_by_default(monkeypatch, capsys):
+    seen, out = _generate_in_process(monkeypatch, capsys, "Name a colour.")
+    tok, prompt, _ = seen.calls[0]
+    assert isinstance(prompt, list)
+    # SmolLM2-Instruct's template: a system turn, the user's turn, then the assistant's opening.
+    assert prompt[0] == tok.hf.token_to_id("<|im_start|>")
+    text = tok.decode(prompt, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert "<|im_start|>user\nName a colour.<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert not out.startswith("Name a colour.")  # the answer alone, not the template echoed
+
+
+def test_generate_raw_sends_the_prompt_as_it_is(monkeypatch, capsys):
+    seen, out = _generate_in_process(monkeypatch, capsys, "--raw", "Name a colour.")
+    tok, prompt, _ = seen.calls[0]
+    assert tok.decode(prompt, skip_special_tokens=False) == "Name a colour."
+    assert out.startswith("Name a colour.")  # a completion is shown after its prompt
+
+
+def test_generate_sampling_flags_reach_the_request(monkeypatch, capsys):
+    seen, _ = _generate_in_process(
+        monkeypatch, capsys, "Hi", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40",
+        "--min-p", "0.05", "--repetition-penalty", "1.3", "--presence-penalty", "0.5",
+        "--frequency-penalty", "-0.25", "--sampling-seed", "7", "--stop", "\n\n",
+    )  # fmt: skip
+    p = seen.calls[0][2]
+    got = (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
+           p.frequency_penalty, p.seed, p.stop, p.max_tokens)  # fmt: skip
+    assert got == (0.8, 0.9, 40, 0.05, 1.3, 0.5, -0.25, 7, ["\n\n"], 2)
+
+
+def test_generate_defaults_answer_and_stop_without_looping():
+    """The README's first command with the defaults (chat template, greedy, repetition penalty
+    1.1): without the penalty the greedy answer repeats one phrase up to the token limit."""
+    r = _inferd("generate", "What is the capital of France?", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    n = int(re.search(r"\[(\d+) tokens;", r.stderr).group(1))
+    assert n < cli.DEFAULT_MAX_TOKENS  # the model ended its turn
+    words = r.stdout.split()
+    phrases = [" ".join(words[i : i + 4]) for i in range(len(words) - 3)]
+    assert max(map(phrases.count, phrases), default=0) <= 2, r.stdout
 
 
 def test_chat_repl_uses_template_and_exits():
