@@ -1,5 +1,6 @@
 """inferd's CPU kernels (csrc/cpu_kernels.cpp: quantized matmuls, paged attention, the decode
-step's decoder layers), built on first use (see build.py).
+step's decoder layers): the build `pip install` made for this CPU and torch, else built on first
+use (see build.py).
 
 Where they cannot be built (no compiler, not x86 with AVX2/FMA), `extension()` returns None after
 one line on stderr and callers use the PyTorch fallback.
