@@ -36,7 +36,7 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 # What the user is told while a kernel compiles on first use: one translation unit, one core.
-COMPILE_ESTIMATE = "about 1-2 minutes"
+COMPILE_ESTIMATE = "up to 2 minutes"
 
 
 class Kernel(NamedTuple):
