@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -391,9 +391,27 @@ def _wait_idle(http: httpx.Client, timeout: float = 120.0) -> str:
         time.sleep(0.05)
 
 
+def _poll_metrics(
+    http: httpx.Client, done: Callable[[str], bool], what: str, timeout: float = 60.0
+) -> str:
+    """Scrape /metrics until `done(text)`, at most `timeout` s. The gauges are the stats snapshot
+    the engine sends along with its steps (at once when a request starts or ends, otherwise now
+    and then): a state shows up with the engine's next such message, not at a given instant."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _metrics(http)
+        if done(text):
+            return text
+        assert time.monotonic() < deadline, f"{what}: not in /metrics after {timeout} s:\n{text}"
+        time.sleep(0.02)
+
+
 def test_cancelled_stream_frees_blocks(server: RemoteServer, http: httpx.Client) -> None:
     before = _wait_idle(http)
-    aborts = metric(before, "inferd:request_success_total", finished_reason="abort")
+    finished = {
+        reason: metric(before, "inferd:request_success_total", finished_reason=reason)
+        for reason in ("abort", "length")
+    }
     body = {
         "prompt": PROMPT,
         "max_tokens": 1000,
@@ -405,20 +423,45 @@ def test_cancelled_stream_frees_blocks(server: RemoteServer, http: httpx.Client)
         httpx.Client(base_url=server.url, timeout=300) as own,
         own.stream("POST", "/v1/completions", json=body) as r,
     ):
-        got = 0
+        assert r.status_code == 200
+        chunks = []
         for line in r.iter_lines():
-            got += line.startswith("data: ")
-            if got == 3:
-                break
-        during = _metrics(http)
-        # (Failed once in eight CI runs with running 0; the scrape is in the message for next time.)
-        assert metric(during, "inferd:num_requests_running") == 1, during
-        assert metric(during, "inferd:kv_cache_usage_perc") > 0, during
+            if line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                # Token chunks of a request still running: an error event or a finish would say
+                # here why the gauges below cannot show it.
+                assert "error" not in chunk and chunk["choices"][0]["finish_reason"] is None, chunk
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    break
+
+        def running(text: str) -> bool:
+            return (
+                metric(text, "inferd:num_requests_running") == 1
+                and metric(text, "inferd:kv_cache_usage_perc") > 0
+            )
+
+        _poll_metrics(http, running, "the streaming request running and holding blocks")
         # Leaving the block closes the connection mid-stream: the server must abort the request.
+
+    # The engine's own word that it processed the abort: the request counted as finished by one.
+    def aborted(text: str) -> bool:
+        return (
+            metric(text, "inferd:request_success_total", finished_reason="abort")
+            == finished["abort"] + 1
+        )
+
+    _poll_metrics(http, aborted, "the request's abort")
     after = _wait_idle(http)
-    assert metric(after, "inferd:num_requests_running") == 0
-    assert metric(after, "inferd:kv_cache_usage_perc") == 0
-    assert metric(after, "inferd:request_success_total", finished_reason="abort") == aborts + 1
+    assert metric(after, "inferd:num_requests_running") == 0, after
+    assert metric(after, "inferd:num_requests_waiting") == 0, after
+    assert metric(after, "inferd:kv_cache_usage_perc") == 0, after  # its blocks are back
+    counts = {
+        reason: metric(after, "inferd:request_success_total", finished_reason=reason)
+        for reason in finished
+    }
+    # Counted once, as aborted: it did not run to its end (1000 tokens) before the abort.
+    assert counts == {"abort": finished["abort"] + 1, "length": finished["length"]}, after
 
 
 def test_disconnected_non_stream_request_is_aborted(
