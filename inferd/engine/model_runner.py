@@ -39,14 +39,14 @@ from inferd.scheduler.sequence import Sequence
 # from garbage memory would poison the output.
 _LAZY_ZERO_BYTES = 64 << 20
 
-# Queries up to this long (short prompts and chunks) share one padded attention call; longer
-# prefill chunks run one sequence at a time, where padding would cost more than it saves.
+# Without a short-query kernel (the torch attention backend): queries up to this long share one
+# padded attention call; longer prefill chunks run one sequence at a time, where padding would
+# cost more than it saves.
 PADDED_GROUP_MAX_QUERY = 32
-# The C++ kernel scores one query row at a time: best for decodes and speculative verification
-# (1 + k rows); longer queries go to SDPA. Which path a sequence takes depends on its own query
-# length only, never on what else is in the step: with int8 activations a different attention
-# path's 1e-7 rounding differences grow into different tokens (quantization/formats.py).
-KERNEL_MAX_QUERY = 9
+# With one (the CPU backend), every query goes to it, a long one as entries of at most this many
+# rows: the kernel keeps each entry's partial sums until it merges them, so this bounds that
+# memory, and a row's result never depends on the entry it falls in.
+KERNEL_PIECE_ROWS = 256
 
 
 def allocate_kv_cache(
@@ -176,8 +176,13 @@ class ModelRunner:
                 input_ids.extend(seq.spec.token_ids[: end - num_tokens])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if self.attention_kernel is not None and n <= KERNEL_MAX_QUERY:
-                kernel_group.append((row0, n, end, table[: (end + bs - 1) // bs]))
+            if self.attention_kernel is not None:
+                # Every query through the one kernel, so a row's attention has the same bits
+                # whatever its chunk (a full prefill, a cache-hit suffix, a decode). Long queries
+                # go as pieces: entries of the same sequence, each seeing its own keys.
+                for a in range(0, n, KERNEL_PIECE_ROWS):
+                    m, ctx = min(KERNEL_PIECE_ROWS, n - a), start + a + min(KERNEL_PIECE_ROWS, n - a)
+                    kernel_group.append((row0 + a, m, ctx, table[: (ctx + bs - 1) // bs]))
             elif n <= PADDED_GROUP_MAX_QUERY:
                 group.append((row0, n, end, table[: (end + bs - 1) // bs]))
             else:
@@ -231,7 +236,7 @@ class ModelRunner:
         tables = self.as_tensor([t + [0] * (width - len(t)) for *_, t in group])
         q_len = self.as_tensor([n for _, n, _, _ in group])
         ctx = self.as_tensor([c for _, _, c, _ in group])
-        if self.attention_kernel is not None and q_max <= KERNEL_MAX_QUERY:
+        if self.attention_kernel is not None:
             return PaddedGroup(
                 token_rows=self.as_tensor(token_rows), padded_index=self.as_tensor(padded_index),
                 block_tables=tables, mask=None, q_max=q_max,

@@ -227,6 +227,27 @@ class AttentionBackend(ABC):
         out.copy_(o.squeeze(0).transpose(0, 1))
 
 
+# Query rows one paged-kernel call takes at most: it holds every row's partial sums per 256-key
+# split until it merges them, ~2.3 KB a row and split at the default model's sizes.
+KERNEL_CALL_ROWS = 512
+
+
+def _entry_slices(g: PaddedGroup) -> list[tuple[int, int]]:
+    """The kernel group's entries in runs of at most KERNEL_CALL_ROWS query rows (one run for a
+    step of decodes). Each row's result is the same in any run: entries are independent."""
+    n = g.row_start.numel()
+    if g.token_rows.numel() <= KERNEL_CALL_ROWS:
+        return [(0, n)]
+    runs, a, rows = [], 0, 0
+    for i, q_len in enumerate(g.q_lens.tolist()):
+        if rows and rows + q_len > KERNEL_CALL_ROWS:
+            runs.append((a, i))
+            a, rows = i, 0
+        rows += q_len
+    runs.append((a, n))
+    return runs
+
+
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 
@@ -258,16 +279,20 @@ class CpuKernelAttention(AttentionBackend):
         self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
         out: torch.Tensor, scale: float,
     ) -> None:  # fmt: skip
-        if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
-            self.kernel.paged_attention_short_quant(
-                q.contiguous(), k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
-                k_cache.fmt.kernel_code, g.row_start, g.q_lens, g.ctx_lens, g.block_tables,
-                out, scale,
-            )  # fmt: skip
-        else:
-            self.kernel.paged_attention_short(q.contiguous(), k_cache, v_cache, g.row_start,
-                                              g.q_lens, g.ctx_lens, g.block_tables, out,
-                                              scale)  # fmt: skip
+        q = q.contiguous()
+        runs = _entry_slices(g)
+        for a, b in runs:
+            starts, q_lens, ctx_lens, tables = (
+                (g.row_start, g.q_lens, g.ctx_lens, g.block_tables) if len(runs) == 1 else
+                (g.row_start[a:b], g.q_lens[a:b], g.ctx_lens[a:b], g.block_tables[a:b]))  # fmt: skip
+            if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
+                self.kernel.paged_attention_short_quant(
+                    q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
+                    k_cache.fmt.kernel_code, starts, q_lens, ctx_lens, tables, out, scale,
+                )  # fmt: skip
+            else:
+                self.kernel.paged_attention_short(q, k_cache, v_cache, starts, q_lens, ctx_lens,
+                                                  tables, out, scale)  # fmt: skip
 
     def _chunk_kernel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -2,20 +2,21 @@
 model runner and shared by all layers (`AttentionMetadata`).
 
 New K/V go into the block pool through a slot mapping; attention reads every sequence's context
-back through its block table. Three shapes cover every scheduler choice, each sequence's by its
-own query length only (with int8 activations, a path that depended on the rest of the step would
-make its tokens depend on it too):
-- the kernel group: decodes and speculative verification (<= 9 query rows, the model runner's
-  KERNEL_MAX_QUERY) go to the attention backend's short-query kernel (the C++ paged kernel, which
-  reads K/V in place, one sequence per task), where the backend has one;
-- a padded group: other short queries (short prompts and prefill chunks; every short query where
-  the backend has no short-query kernel) run as ONE attention call: queries padded to
-  [B, Hq, Qmax, D], keys gathered from their blocks to [B, Hkv, L, D], one mask [B, 1, Qmax, L]
-  that is causal, shifted by each sequence's context, and cut at its length. Per-sequence Python
-  work would otherwise dominate steps of many short prompts.
-- long prefill chunks run one sequence at a time (padding them would waste more than it saves):
-  with no earlier context, keys come straight from the chunk under a plain causal mask; otherwise
-  from the cache under the shifted causal mask (chunked prefill, prefix-cache hits, recomputation).
+back through its block table. Three shapes cover every scheduler choice:
+- the kernel group: where the attention backend has a short-query kernel (the C++ paged kernel on
+  the CPU, which reads K/V in place), every query goes to it, a long one as entries of a bounded
+  number of rows (the model runner's KERNEL_PIECE_ROWS). One kernel for every query makes a row's
+  attention the same bits whatever else the step holds and however its prompt was split (a full
+  prefill, a prefix-cache hit's suffix, a chunk, a decode): with int8 activations a last-bit
+  difference there grows into different tokens;
+- without one (the torch backend), a padded group: short queries run as ONE attention call:
+  queries padded to [B, Hq, Qmax, D], keys gathered from their blocks to [B, Hkv, L, D], one mask
+  [B, 1, Qmax, L] that is causal, shifted by each sequence's context, and cut at its length.
+  Per-sequence Python work would otherwise dominate steps of many short prompts;
+- and there, long prefill chunks run one sequence at a time (padding them would waste more than
+  it saves): with no earlier context, keys come straight from the chunk under a plain causal mask;
+  otherwise from the cache under the shifted causal mask (chunked prefill, prefix-cache hits,
+  recomputation).
 
 When every sequence of a padded group starts with the same cached blocks (prefix-cache hits: one
 system prompt, a shared document), the group runs as cascade attention (`SharedPrefix`): the shared

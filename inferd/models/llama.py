@@ -25,7 +25,12 @@ from torch import nn
 from inferd.config import ModelConfig
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import QuantizedKV
-from inferd.layers.attention import AttentionBackend, AttentionMetadata, select_attention_backend
+from inferd.layers.attention import (
+    KERNEL_CALL_ROWS,
+    AttentionBackend,
+    AttentionMetadata,
+    select_attention_backend,
+)
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
@@ -217,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                           layer.mlp.gate_up_proj, layer.mlp.down_proj)
             )  # fmt: skip
-            self._fused_rows = ext.dense_gemm_max_rows if dense else 1 << 62
+            # The C++ step attends all its rows in one kernel call: as many as one call takes.
+            self._fused_rows = ext.dense_gemm_max_rows if dense else KERNEL_CALL_ROWS
         return self._fused_rows
 
     def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata,
