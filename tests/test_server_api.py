@@ -6,34 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 
 from tests.real_model import loaded_default
-from tests.test_server_utils import MODEL, SMALL_ENGINE, RemoteServer, metric
+from tests.test_server_utils import MODEL, SMALL_ENGINE, RemoteServer, metric, server_fixtures
 
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    srv = RemoteServer(*SMALL_ENGINE, "--kv-cache-memory", "512MiB", "--max-num-seqs", "256")
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server: RemoteServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        yield c
+server, client, http = server_fixtures(*SMALL_ENGINE, "--kv-cache-memory", "512MiB", "--max-num-seqs", "256")
 
 
 @pytest.fixture(scope="module")

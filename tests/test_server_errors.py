@@ -3,39 +3,22 @@ OpenAI's shape (status, type, message), never a 500, and the server keeps servin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
 from tests.real_model import loaded_default
-from tests.test_server_utils import MODEL, SMALL_ENGINE, RemoteServer, assert_error
+from tests.test_server_utils import MODEL, SMALL_ENGINE, assert_error, server_fixtures
 
 PROMPT = "The capital of France is"
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    srv = RemoteServer(*SMALL_ENGINE)
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server: RemoteServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        yield c
+server, client, http = server_fixtures(*SMALL_ENGINE)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return loaded_default().tokenizer
+
 
 # ---- errors -----------------------------------------------------------------------------------
 

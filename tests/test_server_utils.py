@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
+import pytest
 
 # Small KV pool and context: the tests never need more, and two servers may run at once.
 SMALL_ENGINE = [
@@ -84,6 +86,30 @@ class RemoteServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def server_fixtures(*server_args: str):
+    """Module-scoped fixtures `server` (a `RemoteServer` started with `server_args`), `client`
+    (the OpenAI client on it) and `http` (an httpx client on it), for a test module to bind:
+    `server, client, http = server_fixtures(...)`."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        srv = RemoteServer(*server_args)
+        yield srv
+        srv.close()
+
+    @pytest.fixture(scope="module")
+    def client(server: RemoteServer) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                             timeout=300)  # fmt: skip
+
+    @pytest.fixture(scope="module")
+    def http(server: RemoteServer):
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            yield c
+
+    return server, client, http
 
 
 def metric(text: str, name: str, **labels: str) -> float:

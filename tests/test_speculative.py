@@ -263,6 +263,43 @@ def test_sampling_distribution_unchanged_end_to_end(tiny_llama_gguf, near_draft_
         assert tv < 0.1, (pos, tv)
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_sampling_keeps_the_distribution_with_penalties_and_min_p(tiny_llama_gguf, tmp_path, method):
+    """Prompt lookup and a learned head (untrained: its drafts are mostly rejected, so the
+    residual distribution is what is tested) at temperature 0.8 with repetition, presence and
+    frequency penalties and min_p: token frequencies at every verified position match
+    speculation off (the processors see each draft row's own prefix)."""
+    params = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.2, frequency_penalty=0.1, max_tokens=4,
+                            ignore_eos=True)  # fmt: skip
+    off_llm = _llm(tiny_llama_gguf.path, max_num_seqs=256)
+    # The model's own greedy text (a random model soon repeats itself): lookup drafts what the
+    # model is likely to say next, so some drafts are accepted and some are not.
+    greedy = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    seed = list(range(3, 19))
+    prompt = seed + list(off_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    samples = 1500
+    off = _token_histograms(off_llm, prompt, params, samples)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "eagle":
+        from inferd.spec.eagle_head import EagleHead
+
+        torch.manual_seed(0)
+        EagleHead.for_target(off_llm.engine.runner.model).save(tmp_path / "head")
+        spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    on_llm = _llm(tiny_llama_gguf.path, spec, max_num_seqs=256, kv_cache_memory=8 << 20)
+    # Drafts on every step (a random model's drafts rarely pay): losslessness is what is tested.
+    on_llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
+    on = _token_histograms(on_llm, prompt, params, samples)
+    stats = on_llm.engine.get_stats()
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
+    assert stats.spec_accepted_tokens > 0 or method == "eagle", stats
+    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
+        keys = set(off[pos]) | set(on[pos])
+        tv = 0.5 * sum(abs(off[pos][t] - on[pos][t]) for t in keys) / samples
+        assert tv < 0.1, (pos, tv)
+
+
 # ---- pieces ----------------------------------------------------------------------------------
 
 def test_ngram_lookup_prefers_longest_latest_match():
