@@ -91,3 +91,15 @@ def test_seeded_sample_does_not_depend_on_cache_batch_or_chunking():
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True, logprobs=0)
     got = _scenarios(llm, chunked, params)
     assert all(tokens == got["cold"] for tokens in got.values()), got
+
+
+def test_greedy_answer_is_the_same_with_speculation():
+    """Prompt lookup verifies 1 + k rows a step where plain decoding computes one: the same tokens
+    and logprobs, bit for bit, on the default quantization."""
+    llm = make_llm()
+    spec = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1})  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=0)
+    prompts = [_ids(llm, QUESTION), _ids(llm, OTHERS[1])]
+    assert _run(spec, prompts, params) == _run(llm, prompts, params)
+    assert spec.engine.get_stats().spec_accepted_tokens > 0
