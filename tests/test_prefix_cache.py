@@ -166,6 +166,15 @@ def test_concurrent_first_requests_share_prefix_while_running(tiny):
     llm.engine.check_no_leaks()
 
 
+def _torch_attention(llm: LLM) -> LLM:
+    """`llm` on the torch attention backend: the one that batches short queries into a padded
+    group, and so runs cascade attention (the CPU backend sends every query to its paged kernel)."""
+    runner = llm.engine.runner
+    runner.model.select_kernels(runner.device, runner.dtype, attention="torch")
+    runner.attention_kernel = None
+    return llm
+
+
 def _cascade_calls(monkeypatch) -> list[int]:
     """Count the steps' cascade attention calls (the real function still runs)."""
     calls: list[int] = []
@@ -191,9 +200,10 @@ def test_cascade_attention_greedy_identical_to_cache_off(tiny, monkeypatch):
     prompts = [prefix + [rng.randrange(3, tiny.vocab_size) for _ in range(n)]
                for n in _SUFFIX_LENGTHS]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    off = LLM(str(tiny.path), enable_prefix_caching=False, kv_cache_memory=8 << 20, verbose=False)
+    off = _torch_attention(LLM(str(tiny.path), enable_prefix_caching=False,
+                               kv_cache_memory=8 << 20, verbose=False))  # fmt: skip
     expected = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
-    on = LLM(str(tiny.path), kv_cache_memory=8 << 20, verbose=False)
+    on = _torch_attention(LLM(str(tiny.path), kv_cache_memory=8 << 20, verbose=False))
     on.generate([prefix + [5]], SamplingParams(max_tokens=1), use_tqdm=False)  # the prefix is hot
     calls = _cascade_calls(monkeypatch)
     got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
@@ -211,9 +221,9 @@ def test_cascade_attention_real_model_greedy_identical_to_cache_off(monkeypatch)
     prompts = [prefix + synthetic_prompt(tok, n, seed=50 + i)
                for i, n in enumerate(_SUFFIX_LENGTHS)]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in make_llm(enable_prefix_caching=False).generate(
-        prompts, params, use_tqdm=False)]  # fmt: skip
-    on = make_llm()
+    off = _torch_attention(make_llm(enable_prefix_caching=False))
+    expected = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    on = _torch_attention(make_llm())
     on.generate([prefix + [5]], SamplingParams(max_tokens=1), use_tqdm=False)
     calls = _cascade_calls(monkeypatch)
     got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
