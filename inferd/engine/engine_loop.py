@@ -335,13 +335,11 @@ class EngineLoop:
             if track.held is not None:
                 update = track.held.then(update)
                 track.held = None
-            if update.finished:
-                pass
-            elif track.final_only or (track.streaming and update.num_new_tokens < self._interval):
-                track.held = update
-                continue
-            elif update.num_new_tokens:
-                track.streaming = True
+            if not update.finished:  # a finished request's news all goes out now
+                if track.final_only or (track.streaming and update.num_new_tokens < self._interval):
+                    track.held = update
+                    continue
+                track.streaming = track.streaming or update.num_new_tokens > 0
             ready[rid] = update
         if self._held_report is not None:
             report = self._held_report.then(report)

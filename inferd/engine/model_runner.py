@@ -113,8 +113,8 @@ class ModelRunner:
         self.kv_cache_prefault = kv_cache_prefault
         self.kv_prefaulter: KVPrefaulter | None = None
         self._allocate_kv()
-        # Short queries form a kernel group only where the model's attention backend has a
-        # short-query kernel (inferd/layers/attention.py); elsewhere they join the padded group.
+        # Every query goes to the kernel group where the model's attention backend has a paged
+        # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
         self.attention_kernel = model.attention_backend.kernel if use_attention_kernel else None
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
@@ -181,7 +181,8 @@ class ModelRunner:
                 # whatever its chunk (a full prefill, a cache-hit suffix, a decode). Long queries
                 # go as pieces: entries of the same sequence, each seeing its own keys.
                 for a in range(0, n, KERNEL_PIECE_ROWS):
-                    m, ctx = min(KERNEL_PIECE_ROWS, n - a), start + a + min(KERNEL_PIECE_ROWS, n - a)
+                    m = min(KERNEL_PIECE_ROWS, n - a)
+                    ctx = start + a + m
                     kernel_group.append((row0 + a, m, ctx, table[: (ctx + bs - 1) // bs]))
             elif n <= PADDED_GROUP_MAX_QUERY:
                 group.append((row0, n, end, table[: (end + bs - 1) // bs]))

@@ -8,8 +8,9 @@ Blocks may also be shared by several sequences (n > 1 samples of one prompt); a 
 block first copies it to a fresh block (copy-on-write), recorded in `pending_copies`; an accepted
 draft-tree leaf's K/V moves from its scratch block into the sequence's own (`move_slot`). Both kinds
 of copy travel to the model runner in the next `SchedulerOutput` (`take_pending_copies`) and run
-before that step's forward pass, so they land before any write that could follow them. Scratch blocks live for one step: the leaves of a
-speculative draft tree are verified in them (inferd/engine/model_runner.py).
+before that step's forward pass, so they land before any write that could follow them. Scratch
+blocks live for one step: the leaves of a speculative draft tree are verified in them
+(inferd/engine/model_runner.py).
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ An `AttentionBackend` owns every kernel choice attention makes: which kernel tak
 group's short queries, which takes long prefill chunks. The model's layers call its `forward`
 and nothing else; `select_attention_backend` picks it from the device, the dtype and whether the
 C++ kernels build here, and `ATTENTION_BACKENDS` names every backend:
-- "cpu" (fp32 on the CPU with the C++ kernels): short queries through the paged kernel
-  (csrc/paged_attention.h), which reads K/V in place, codes included; long chunks through the
-  causal kernel (csrc/prefill_attention.h) at head size 64, ~2x ATen's CPU flash attention, whose
-  small gemms are MKL's; SDPA at other head sizes.
+- "cpu" (fp32 on the CPU with the C++ kernels): the paged kernel (csrc/paged_attention.h), which
+  reads K/V in place, codes included, takes every query the model runner plans (one kernel, so a
+  row's bits never depend on how its prompt was split). Long chunks planned without the kernel
+  group (a runner built with `use_attention_kernel=False`) go to the causal kernel
+  (csrc/prefill_attention.h) at head size 64, SDPA at other head sizes.
 - "torch" (anywhere else): PyTorch's SDPA; no short-query kernel, so the runner puts every short
-  query in the padded group.
-Both run the padded group alike: one gather + SDPA call, or cascade attention when its sequences
-share a prefix (the plan says which).
+  query in the padded group (one gather + SDPA call, or cascade attention when its sequences
+  share a prefix) and long chunks one sequence at a time.
 
 A quantized cache (`--kv-cache-dtype int8|fp8`, inferd/kv/kv_cache.py) arrives as `QuantizedKV`:
 K/V are quantized as they are written and dequantized as they are read. A float16 / bfloat16
@@ -259,8 +259,8 @@ def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 @register
 class CpuKernelAttention(AttentionBackend):
-    """fp32 on the CPU: the C++ paged kernel for short queries, the causal kernel for long chunks
-    at its head size (SDPA at others)."""
+    """fp32 on the CPU: the C++ paged kernel for the kernel group (every query, as the runner
+    plans it); the causal kernel for long chunks at its head size (SDPA at others)."""
 
     name = "cpu"
 
