@@ -1,7 +1,7 @@
-"""The fp32 matmuls for decode-sized batches that `Linear` and the fused decode step share
-(csrc/dense_gemv.h up to 8 rows, csrc/dense_gemm.h from 9 to 64): close to fp64, the same bits for
-a row whatever the rows beside it within each kernel's range, bias and odd shapes handled, both
-builds alike, and above 64 rows the very result of at::linear."""
+"""The fp32 matmuls that `Linear` and the fused decode step share (csrc/dense_gemv.h: a streaming
+kernel up to 8 rows, register-blocked tiles above): close to fp64, the same bits for a row whatever
+the number of rows and the rows beside it — one row alone, a decode batch, a prefill chunk of
+hundreds — bias and odd shapes handled, both builds alike."""
 
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ def ext(kernel_build):
 SHAPES = [(960, 576), (576, 1536), (37, 576), (50, 77), (3, 5)]
 
 
-# Row counts of the many-row kernel: one vector of rows and a part of one, several, the limit.
-GEMM_ROWS = [9, 16, 17, 31, 32, 33, 48, 64]
+# Row counts of the many-row kernel: a tile and a part of one, several, a prefill chunk of more
+# than one block of rows (dense::kRowBlockRows = 128).
+GEMM_ROWS = [9, 12, 13, 31, 64, 127, 128, 129, 300]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("kernel", ["few rows", "many rows"])
 def test_close_to_fp64_and_row_invariant(ext, n, k, kernel) -> None:
     few = kernel == "few rows"
-    top = ext.dense_max_rows if few else ext.dense_gemm_max_rows
+    top = ext.dense_max_rows if few else GEMM_ROWS[-1]
     g = torch.Generator().manual_seed(n * 1000 + k + top)
     w = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g)
@@ -44,10 +45,13 @@ def test_close_to_fp64_and_row_invariant(ext, n, k, kernel) -> None:
     if few:
         for i in range(top):
             assert torch.equal(ext.dense_linear(x[i : i + 1], w, bias), y[i : i + 1])
-    else:  # another batch around the same row
+    else:  # the few-row kernel gives those rows the same bits; another batch around one row too
+        for m in (1, 2, 5, 8):
+            assert torch.equal(ext.dense_linear(x[:m], w, bias), y[:m]), m
         other = torch.randn(20, k, generator=g)
-        other[7] = x[40]
-        assert torch.equal(ext.dense_linear(other, w, bias)[7], y[40])
+        other[7] = x[140]
+        assert torch.equal(ext.dense_linear(other, w, bias)[7], y[140])
+        assert torch.equal(ext.dense_linear(x[140:141], w, bias)[0], y[140])
 
 
 def test_rows_with_a_stride_and_no_bias(ext) -> None:
@@ -63,19 +67,13 @@ def test_many_rows_with_a_stride(ext) -> None:
     assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x.contiguous(), w))
 
 
-def test_more_rows_are_at_linear(ext) -> None:
-    w, b = torch.randn(80, 64), torch.randn(80)
-    x = torch.randn(ext.dense_gemm_max_rows + 1, 64)
-    assert torch.equal(ext.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
-
-
 def test_both_builds_agree() -> None:
     native, avx2 = extension(), extension_avx2()
     if native is None or avx2 is None:
         pytest.skip("CPU kernels unavailable here")
     w, x = torch.randn(333, 579), torch.randn(5, 579)
     assert torch.equal(native.dense_linear(x, w), avx2.dense_linear(x, w))
-    for m in (9, 24, 64):  # the many-row kernel: 16 lanes here, 8 there, one order
+    for m in (9, 24, 64, 200):  # the many-row tiles: 4 x 3 here, 2 x 1 there, one order
         x = torch.randn(m, 579)
         assert torch.equal(native.dense_linear(x, w), avx2.dense_linear(x, w)), m
 

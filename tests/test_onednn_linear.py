@@ -1,6 +1,6 @@
-"""fp32 `Linear` above the engine's own kernels' 64 rows: oneDNN from a packed weight — close to
-fp64, a row's bits independent of the rows beside it, the pack remade when the weight changes,
-and `INFERD_ONEDNN_LINEAR=0` back on at::linear."""
+"""fp32 `Linear` without the engine's C++ kernels: oneDNN from a packed weight — close to fp64, a
+row's bits independent of the rows beside it, the pack remade when the weight changes, and
+`INFERD_ONEDNN_LINEAR=0` back on at::linear. With the kernels, `Linear` never packs."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inferd.kernels.quant_gemm import extension
 from inferd.layers import onednn_linear
-from inferd.layers.linear import Linear
+from inferd.layers.linear import Linear, OneDnnLinear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="no oneDNN in this PyTorch build")
 
 
-def _linear(n: int, k: int, bias: bool, seed: int) -> Linear:
+def _linear(n: int, k: int, bias: bool, seed: int, backend=OneDnnLinear) -> Linear:
     g = torch.Generator().manual_seed(seed)
     lin = Linear(k, n, bias=bias)
+    if backend is not None:  # as select_linear_backend would choose on a machine without kernels
+        lin.backend = backend()
+        lin._forward = lin.backend.forward
     lin.weight.data = torch.randn(n, k, generator=g)
     if bias:
         lin.bias.data = torch.randn(n, generator=g)
@@ -50,10 +54,12 @@ def test_pack_follows_the_weight() -> None:
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
 
 
-def test_few_rows_stay_on_the_engine_kernels() -> None:
-    lin = _linear(96, 64, False, seed=4)
-    lin(torch.randn(64, 64))
-    assert lin._packed is None  # decode-sized calls never make a packed copy
+def test_the_engine_kernels_never_pack() -> None:
+    if extension() is None:
+        pytest.skip("CPU kernels unavailable here")
+    lin = _linear(96, 64, False, seed=4, backend=None)
+    lin(torch.randn(300, 64))
+    assert lin.backend.name == "cpu-dense" and lin._packed is None
 
 
 def test_turned_off_by_the_environment(monkeypatch) -> None:
@@ -61,8 +67,6 @@ def test_turned_off_by_the_environment(monkeypatch) -> None:
     try:
         monkeypatch.setenv("INFERD_ONEDNN_LINEAR", "0")
         assert not onednn_linear.available()
-        lin = _linear(32, 16, True, seed=5)
-        x = torch.randn(80, 16)
-        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias)) and lin._packed is None
+        assert not OneDnnLinear.supports(torch.empty(32, 16))  # at::linear takes those layers
     finally:
         onednn_linear.available.cache_clear()

@@ -67,7 +67,7 @@ def test_kernels_match_dequantized_reference(ext, m: int) -> None:
         ref_w = dequantize_rows(qw)
         x = torch.randn(m, qw.shape[1], generator=g)
         want = F.linear(x, ref_w)
-        got = _call(ext, x, qw)  # M <= 4: register GEMV path; M > 4: strip GEMM path
+        got = _call(ext, x, qw)  # M <= 4: register GEMV path; M > 4: strips + dense tiles
         tol = 1e-5 * (x.abs() @ ref_w.abs().T).max().item() + 1e-6
         assert got.shape == want.shape
         assert (got - want).abs().max().item() <= tol, (qw.source, qw.shape, m)
@@ -75,9 +75,24 @@ def test_kernels_match_dequantized_reference(ext, m: int) -> None:
         assert torch.equal(_call(ext, x[:0], qw), ref_w), qw.source
 
 
+def test_fp32_activation_rows_are_batch_invariant(ext) -> None:
+    """With fp32 activations (fp8 weights; int8 / int4 where int8 activations are off) a row's
+    result is the same bits alone and among any number of rows — the few-row kernel, the strips
+    of a decode batch and of a prefill chunk sum in one order — and the same bits as the dense
+    fp32 kernel on the dequantised weight (csrc/dense_gemv.h). 150 rows cross a 128-row block."""
+    g = torch.Generator().manual_seed(11)
+    for qw in _quantized():
+        x = torch.randn(150, qw.shape[1], generator=g)
+        together = _call(ext, x, qw)
+        assert torch.equal(together, ext.dense_linear(x, dequantize_rows(qw))), qw.source
+        for m in (1, 2, 3, 4, 5, 9, 64):
+            parts = torch.cat([_call(ext, x[i : i + m].contiguous(), qw) for i in range(0, 150, m)])
+            assert torch.equal(parts, together), (qw.source, qw.shape, m)
+
+
 def test_quantized_matmul_dispatch_keeps_batch_dims(ext) -> None:
-    """Every dispatch path (one row, a few rows, >= 32 rows: dequantise once + sgemm; kernels
-    off) against an fp64 matmul on the weight itself, with leading batch dimensions kept. The
+    """Every dispatch path (one row, a few rows, many rows: dequantised strips; kernels off)
+    against an fp64 matmul on the weight itself, with leading batch dimensions kept. The
     weight sits exactly on an int4 grid (each 32-group spans min .. min + 15 * scale, both exact
     in fp16), so quantizing loses nothing and the reference owes nothing to `formats`."""
     from inferd.quantization.formats import quantized_matmul
@@ -91,7 +106,7 @@ def test_quantized_matmul_dispatch_keeps_batch_dims(ext) -> None:
     w = (lo + q * scale).reshape(n, k)
     qw = quantize(w, "int4", group)
     assert torch.equal(dequantize_rows(qw), w)
-    for shape in [(96,), (5, 96), (2, 40, 96)]:  # 80 rows: the dequantise-once + sgemm path
+    for shape in [(96,), (5, 96), (2, 40, 96)]:
         x = torch.randn(*shape, generator=g)
         want = (x.double() @ w.double().T).float()
         got = quantized_matmul(x, qw, int8_activations=False)  # int8 ones: the tests below

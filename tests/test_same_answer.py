@@ -1,16 +1,20 @@
 """Same request, same answer: at temperature 0 (and with a seed above it) a request's tokens do not
-depend on the prefix cache (hit, partial hit, miss), on what else shares its batch, or on how its
-prompt is chunked, in every weight quantization and KV cache dtype, on the default model."""
+depend on the prefix cache (hit, partial hit, miss), on what else shares its batch, on how its
+prompt is chunked, on streaming or on concurrent requests, in every weight quantization and KV
+cache dtype, on the default model."""
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from inferd import LLM, SamplingParams
 from inferd.loader import load_model
 from tests.real_model import default_gguf
+from tests.test_server_utils import MODEL, SMALL_ENGINE, RemoteServer
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 OTHERS = [
@@ -63,18 +67,9 @@ def _scenarios(llm: LLM, chunked: LLM, params: SamplingParams) -> dict[str, list
     return {"cold": cold, "warm": warm, "partial": partial, "batched": batched, "chunked": chunks}
 
 
-# fp32 and fp8 weights multiply rows through kernels chosen by the step's row count (a streaming
-# gemv up to 8 rows, a transposed-x gemm up to 64, oneDNN above), each summing a row in its own
-# order: a cache hit or a chunk boundary moves a prompt's last row to another of them.
-_ROW_COUNT_KERNELS = pytest.mark.xfail(
-    strict=True, reason="fp32 / fp8 matmuls sum a row in an order chosen by the step's row count")
-
-
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype"),
-    [("auto", "auto"), ("int8", "auto"), ("int4", "auto"),
-     pytest.param("fp8", "auto", marks=_ROW_COUNT_KERNELS),
-     pytest.param("none", "auto", marks=_ROW_COUNT_KERNELS),
+    [("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("fp8", "auto"), ("none", "auto"),
      ("auto", "int8"), ("auto", "fp8"), ("auto", "float16")],
 )  # fmt: skip
 def test_greedy_answer_does_not_depend_on_cache_batch_or_chunking(quantization, kv_cache_dtype):
@@ -103,3 +98,28 @@ def test_greedy_answer_is_the_same_with_speculation():
     prompts = [_ids(llm, QUESTION), _ids(llm, OTHERS[1])]
     assert _run(spec, prompts, params) == _run(llm, prompts, params)
     assert spec.engine.get_stats().spec_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module", params=["auto", "none", "fp8"])
+def served(request):
+    srv = RemoteServer(*SMALL_ENGINE, "--quantization", request.param)
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    srv.close()
+
+
+def test_served_answer_does_not_depend_on_streaming_cache_or_concurrency(served):
+    """Through the server: the same chat request cold, again (a prefix-cache hit) streamed and
+    not, and among concurrent requests, gives the same text."""
+    ask = {"model": MODEL, "max_tokens": 24, "temperature": 0}
+    cold = served.chat.completions.create(messages=QUESTION, **ask)
+    warm = served.chat.completions.create(messages=QUESTION, **ask)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    chunks = served.chat.completions.create(messages=QUESTION, stream=True, **ask)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with ThreadPoolExecutor(len(OTHERS) * 2 + 1) as pool:
+        futures = [pool.submit(served.chat.completions.create, messages=m, **ask)
+                   for m in [*OTHERS, QUESTION, *OTHERS]]  # fmt: skip
+        concurrent = futures[len(OTHERS)].result()
+    text = cold.choices[0].message.content
+    assert text and warm.choices[0].message.content == text
+    assert streamed == text and concurrent.choices[0].message.content == text

@@ -46,17 +46,15 @@ def _packed(layer: Linear, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
 
 
 class DenseKernelLinear(LinearBackend):
-    """fp32 on the CPU with the C++ kernels. Up to `dense_gemm_max_rows` (64) rows (decodes,
-    verified drafts): the kernels the fused decode step runs too (csrc/dense_gemv.h,
-    dense_gemm.h), so both paths give the same bits. More rows (prefill): oneDNN from a packed
-    weight where this PyTorch has it (several times MKL's sgemm on AMD CPUs), else at::linear."""
+    """fp32 on the CPU with the C++ kernels (csrc/dense_gemv.h), at any row count: the kernels
+    the fused decode step runs too, which sum a row in one order however many rows a call has, so
+    a prompt's last row gives the same bits in a full prefill, after a prefix-cache hit, in a
+    chunk or in a decode batch."""
 
     name = "cpu-dense"
 
     def __init__(self) -> None:
         self.ext = cpu_kernels()
-        self.max_rows: int = self.ext.dense_gemm_max_rows
-        self.onednn = onednn_linear.available()
 
     @classmethod
     def supports(cls, weight: torch.Tensor) -> bool:
@@ -64,13 +62,9 @@ class DenseKernelLinear(LinearBackend):
 
     def forward(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= self.max_rows:
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            y = self.ext.dense_linear(x2, layer.weight, layer.bias)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        if self.onednn:
-            return _packed(layer, x, x2)
-        return F.linear(x, layer.weight, layer.bias)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        y = self.ext.dense_linear(x2, layer.weight, layer.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class OneDnnLinear(LinearBackend):

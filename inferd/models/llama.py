@@ -145,7 +145,6 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend: AttentionBackend | None = None  # select_kernels
         self._fused_layers: list | None = None  # the layers' weights for decode_layers, built once
         self._tiles = False  # some weights packed into tiles: the fused step needs int8 activations
-        self._fused_rows: int | None = None  # _fused_max_rows, once known
         # Layers whose output (the residual stream, before the final norm) `forward` keeps in
         # `captured`, ascending: the extra features a learned draft head reads (EAGLE-3).
         self.capture_layers: tuple[int, ...] = ()
@@ -201,30 +200,13 @@ class LlamaForCausalLM(nn.Module):
         """Whether `decode_layers` runs this step: every row in the kernel group (whose extension
         holds it), fp32 rows, a cache it reads (plain, 2-byte or quantized), int8 activations
         where weights are packed into tiles (tiles have no fp32-activation kernel), and no more
-        rows than `_fused_max_rows`."""
+        rows than one attention kernel call takes (the C++ step attends all its rows in one)."""
         kg = meta.kernel_group
         return (kg is not None and meta.group is None and not meta.prefills
                 and x.dtype == torch.float32
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= self._fused_max_rows(kg.kernel))  # fmt: skip
-
-    def _fused_max_rows(self, ext) -> int:
-        """Rows a fused step may have. Its fp32 matmuls take at::linear above
-        `dense_gemm_max_rows` (MKL's sgemm, which runs AMD CPUs on a generic path), where the
-        Python layers use oneDNN's packed weights, which are faster there (and round
-        differently); such steps take the layer loop. Quantized layers keep their own kernels at
-        any row count, and stay fused."""
-        if self._fused_rows is None:
-            dense = any(
-                isinstance(m, Linear)
-                for layer in self.layers
-                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                          layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            )  # fmt: skip
-            # The C++ step attends all its rows in one kernel call: as many as one call takes.
-            self._fused_rows = ext.dense_gemm_max_rows if dense else KERNEL_CALL_ROWS
-        return self._fused_rows
+                and x.shape[0] <= KERNEL_CALL_ROWS)  # fmt: skip
 
     def _decode_layers(self, ext, x, rope, kv_caches, meta: AttentionMetadata,
                        captured: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -261,7 +243,6 @@ class LlamaForCausalLM(nn.Module):
     def weights_repacked(self) -> None:
         """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""
         self._fused_layers = None
-        self._fused_rows = None
         self._tiles = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -277,7 +258,6 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named weights in, fusing q/k/v and gate/up as this module stores them; linear
         layers whose weight `--quantization` keeps quantized become `QuantizedLinear`s."""
         self._fused_layers = None
-        self._fused_rows = None
         self._tiles = False
         own = dict(self.named_parameters(remove_duplicate=False))
         used: set[str] = set()

@@ -357,7 +357,9 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
     """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernels for fp32 CPU input, else
     (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch. With
     `int8_activations` (None: INT8_ACTIVATIONS) int8/int4 weights take the integer-dot kernels
-    (x rounded to int8 per 32-block; fp32 accumulation) at any row count."""
+    (x rounded to int8 per 32-block; fp32 accumulation); fp8 weights, and the others without
+    them, fp32 activations on the dequantised weight. Either way a row's result does not depend
+    on how many rows the call has (csrc/quant_gemm.h)."""
     # ~210 calls per decoded token: the checks below are kept to attribute reads (~1 ms a token).
     if use_kernels and x.is_cpu and x.dtype == torch.float32:
         ext = _EXT if _EXT is not None else _kernels()
@@ -369,10 +371,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
             if int8_activations and w.format != "fp8":
                 y = _kernel_call(ext, x2 if x2.is_contiguous() else x2.contiguous(), w, True)
             elif w.layout == "tiles":  # fp32 activations on a packed weight: dequantise (slow)
-                y = F.linear(x2, dequantize_rows(w))
-            elif x2.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
-                # Prefill: one dequantisation shared by >= 32 rows, then the BLAS sgemm.
-                y = F.linear(x2, _kernel_call(ext, x2[:0], w))
+                y = ext.dense_linear(x2, dequantize_rows(w))
             else:
                 y = _kernel_call(ext, x2.contiguous(), w)
             return y if flat else y.view(*x.shape[:-1], w.shape[0])
@@ -386,9 +385,6 @@ def int8_activations_default(ext) -> bool:
 
 
 _NO_MINS = torch.empty(0)
-
-# Rows from which dequantise-once + BLAS sgemm beats the fused kernel (on an AVX2 CPU).
-DEQUANT_GEMM_MIN_ROWS = 32
 
 
 def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:

@@ -45,11 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiles_rows", &quant_gemm::tiles_rows, "rows of packed tiles, dequantised to fp32 [R, K]",
         py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("rows"));
 
-  // fp32 x[M,K] · w^T (+ bias): the streaming kernel up to dense_max_rows rows (dense_gemv.h), the
-  // transposed-x kernel up to dense_gemm_max_rows (dense_gemm.h), each the same bits for a row at
-  // any row count in its range; at::linear above.
+  // fp32 x[M,K] · w^T (+ bias) (dense_gemv.h): the streaming kernel up to dense_max_rows rows,
+  // register-blocked tiles above, one summation order, so a row's bits at any row count.
   m.attr("dense_max_rows") = dense::kMaxRows;
-  m.attr("dense_gemm_max_rows") = dense_gemm::kMaxRows;
   m.def("dense_linear",
         [](const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
           return dense::linear(x, w, bias.has_value() ? *bias : torch::Tensor());

@@ -51,10 +51,6 @@ struct Shape {
   bool int8_activations;  // formats.INT8_ACTIVATIONS as resolved for this extension
 };
 
-// quantized_matmul's dispatch for a 2-D contiguous fp32 x: the dequantise-once BLAS path from
-// DEQUANT_GEMM_MIN_ROWS rows where int8 activations do not apply.
-constexpr int64_t kDequantGemmMinRows = 32;
-
 inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor& x, bool int8_x) {
   switch (l.kind) {
     case LinearWeights::kInt8: return quant_gemm::q8_linear(x, l.weight, l.scales, l.group, int8_x);
@@ -70,12 +66,8 @@ inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, cons
     TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");
     y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}),
                                  l.stream);
-  } else if (s.int8_activations && l.kind != LinearWeights::kFp8)
-    y = quantized_call(l, x, true);
-  else if (x.size(0) >= kDequantGemmMinRows)
-    y = at::linear(x, quantized_call(l, x.narrow(0, 0, 0), false));
-  else
-    y = quantized_call(l, x, false);
+  } else
+    y = quantized_call(l, x, s.int8_activations && l.kind != LinearWeights::kFp8);
   return l.bias.defined() ? y + l.bias : y;
 }
 

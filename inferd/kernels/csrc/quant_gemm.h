@@ -12,11 +12,14 @@
 // - int8 activations (q8 and q4, any M, the default; int8_dot.h): x quantized to int8 per 32-block
 //   once per call, integer dot products per block, as llama.cpp does; with AVX512-VNNI on weights
 //   packed at load into 16-output tiles (tiles_linear).
-// - M <= 4 (decode): each 32-weight block is dequantised into 4 registers once and used for all
-//   M input rows: the weight bytes are read once per call, which is what decode is bound by.
-// - M > 4 (batched decode, prefill chunks): a strip of output rows is dequantised once into an
-//   fp32 buffer (L2-resident), then a 4x3 register-blocked fp32 micro-kernel runs every input row
-//   against it. The weight is dequantised once per call, never once per input row.
+// - fp32 activations (fp8; q8 and q4 where int8 activations are off), M <= 4 (decode): each
+//   32-weight block is dequantised into registers once and used for all M input rows: the weight
+//   bytes are read once per call, which is what decode is bound by.
+// - fp32 activations, M > 4 (batched decode, prefill chunks): a strip of output rows is
+//   dequantised once into an fp32 buffer (L2-resident), then dense_gemv.h's register-blocked tiles
+//   run every input row against it.
+// Every path gives a row the same bits whatever the other rows of the call: the fp32 ones sum in
+// dense_gemv.h's one order, the integer ones as int8_dot.h says.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,21 +30,11 @@
 #include <cstring>
 #include <vector>
 
+#include "dense_gemv.h"
 #include "int8_dot.h"
 
 namespace quant_gemm {
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
 
 inline float load_scale(const float* p) { return *p; }
 inline float load_scale(const at::Half* p) {
@@ -118,116 +111,95 @@ struct FP8 {
   }
 };
 
-// ---- M <= 4: dequantise each block once into registers, use it for every input row ----------
+// ---- fp32 activations: every row summed in dense_gemv.h's order ------------------------------
+// A row's dot products take the order dense::row_dots takes (two 16-lane accumulators over the
+// 32-weight blocks, one fold, one tree), at any row count: the same bits for a row alone, among a
+// decode batch or in a prefill chunk, so a prompt's answer does not depend on the prefix cache or
+// the batch. Both paths dequantise a block with the format's own `load`, so they multiply the same
+// fp32 weights.
+
+// The 32 weights of one block as dense_gemv.h's two 16-lane vectors.
+inline void block_vectors(const __m256 w[4], dense::V16& lo, dense::V16& hi) {
+#ifdef __AVX512F__
+  lo = {_mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1)};
+  hi = {_mm512_insertf32x8(_mm512_castps256_ps512(w[2]), w[3], 1)};
+#else
+  lo = {w[0], w[1]};
+  hi = {w[2], w[3]};
+#endif
+}
+
+// M <= kFewRows (decode): each block dequantised once into registers and used for every row, so
+// the weight bytes, what decode is bound by, are read once per call.
+constexpr int64_t kFewRows = 4;
+
 template <int MR, typename D>
 void gemv_rows(const D& d, const float* x, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int A = MR == 1 ? 4 : 2;  // independent accumulator chains per input row
   const int64_t nb = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR][A];
-    for (int i = 0; i < MR; ++i)
-      for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+    dense::V16 a0[MR], a1[MR];
+    for (int i = 0; i < MR; ++i) a0[i] = a1[i] = dense::v16_zero();
     for (int64_t b = 0; b < nb; ++b) {
       __m256 w[4];
       d.load(n, b, w);
+      dense::V16 lo, hi;
+      block_vectors(w, lo, hi);
       for (int i = 0; i < MR; ++i) {
         const float* xp = x + i * K + b * 32;
-        for (int j = 0; j < 4; ++j)
-          acc[i][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xp + 8 * j), acc[i][j % A]);
+        a0[i] = dense::v16_fma(dense::v16_load(xp), lo, a0[i]);
+        a1[i] = dense::v16_fma(dense::v16_load(xp + 16), hi, a1[i]);
       }
     }
-    for (int i = 0; i < MR; ++i) {
-      __m256 s = acc[i][0];
-      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[i][a]);
-      y[i * N + n] = hsum(s);
-    }
+    float sums[4];
+    __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int i = 0; i < MR; ++i) f[i] = dense::v16_fold(dense::v16_add(a0[i], a1[i]));
+    dense::hsum8x4(f[0], f[1], f[2], f[3], sums);
+    for (int i = 0; i < MR; ++i) y[i * N + n] = sums[i];
   }
 }
 
-// ---- M > 4: strip of dequantised rows in a buffer, 4x3 register-blocked micro-kernel ---------
-constexpr int64_t kStrip = 24;  // output rows dequantised together (a multiple of NR = 3)
+// More rows: a strip of output rows dequantised once into an fp32 buffer (L2-resident), then
+// dense_gemv.h's register-blocked tiles run every row against it. The weight is dequantised once
+// per call, never once per row, and never whole (a 262k-row head would be a GB in fp32).
+constexpr int64_t kStrip = 48;  // a multiple of dense::kTileCols
 
-template <int MR, int NR>
-void micro(const float* x, const float* w, float* y, int64_t K, int64_t N) {
-  // x: MR rows of length K; w: NR rows of length K (contiguous); y: y[i * N + j]
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+template <typename D>
+void dequant_rows(const D& d, int64_t n0, int64_t n1, int64_t K, float* out) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      __m256 w[4];
+      d.load(n, b, w);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + (n - n0) * K + b * 32 + 8 * j, w[j]);
     }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * N + j] = hsum(acc[i][j]);
-}
-
-template <int MR>
-void micro_n(int nr, const float* x, const float* w, float* y, int64_t K, int64_t N) {
-  switch (nr) {
-    case 3: micro<MR, 3>(x, w, y, K, N); break;
-    case 2: micro<MR, 2>(x, w, y, K, N); break;
-    default: micro<MR, 1>(x, w, y, K, N); break;
-  }
 }
 
 template <typename D>
 void gemm_strip(const D& d, const float* x, float* y, int64_t M, int64_t K, int64_t N,
                 int64_t n0, int64_t n1, float* buf) {
-  const int64_t nb = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    float* row = buf + (n - n0) * K;
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 w[4];
-      d.load(n, b, w);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(row + b * 32 + 8 * j, w[j]);
-    }
-  }
-  for (int64_t m = 0; m < M; m += 4) {
-    const int mr = static_cast<int>(std::min<int64_t>(4, M - m));
-    for (int64_t n = n0; n < n1; n += 3) {
-      const int nr = static_cast<int>(std::min<int64_t>(3, n1 - n));
-      const float* xp = x + m * K;
-      const float* wp = buf + (n - n0) * K;
-      float* yp = y + m * N + n;
-      switch (mr) {
-        case 4: micro_n<4>(nr, xp, wp, yp, K, N); break;
-        case 3: micro_n<3>(nr, xp, wp, yp, K, N); break;
-        case 2: micro_n<2>(nr, xp, wp, yp, K, N); break;
-        default: micro_n<1>(nr, xp, wp, yp, K, N); break;
-      }
-    }
-  }
+  dequant_rows(d, n0, n1, K, buf);
+  int64_t n = n0;
+  for (; n + dense::kTileCols <= n1; n += dense::kTileCols)
+    dense::tile_column<dense::kTileCols>(x, K, 0, M, buf, K, n - n0, nullptr, y + n0, N);
+  for (; n < n1; ++n) dense::tile_column<1>(x, K, 0, M, buf, K, n - n0, nullptr, y + n0, N);
 }
 
-// The whole weight in fp32 [N, K]: for large M (prefill), where one dequantisation amortised over
-// many rows followed by the BLAS sgemm beats the register-blocked kernel.
+// The whole weight in fp32 [N, K] (an empty x asks for it: formats.dequantize_rows).
 template <typename D>
 torch::Tensor dequant(const D& d, int64_t N, int64_t K) {
   auto w = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < K / 32; ++b) {
-        __m256 v[4];
-        d.load(n, b, v);
-        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(wp + n * K + b * 32 + 8 * j, v[j]);
-      }
-  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dequant_rows(d, n0, n1, K, wp + n0 * K); });
   return w;
 }
 
 template <typename D>
 torch::Tensor run(const D& d, const torch::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (M == 0) return dequant(d, N, K);  // an empty x asks for the dequantised weight
+  if (M == 0) return dequant(d, N, K);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M <= 4) {
+  if (M <= kFewRows) {
     // ~16 rows per task keeps the fork/join cost small next to the work.
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       switch (M) {
