@@ -133,7 +133,8 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "INFERD_ONEDNN_LINEAR", "switch", "1",
-            "0 runs fp32 matmuls of many rows on at::linear; on, through oneDNN with the weight "
+            "without the C++ kernels: 0 runs fp32 matmuls of many rows on at::linear; on, "
+            "through oneDNN with the weight "
             "packed once (inferd/layers/onednn_linear.py; same results to rounding)",
             _switch,
         ),

@@ -13,9 +13,9 @@ Three ceilings (gpt-fast style: print what the hardware allows next to what was 
 - matmul peak: 2·m·n·k / time of square products, on every path this CPU runs natively
   (`matmul_candidates`): fp32 always; bf16 / fp16 only with native instructions (AVX512-BF16,
   AVX512-FP16, AMX), since an emulated one is never the fastest; int8 with VNNI or AMX. Each path
-  is timed with the op the engine runs for it where there is one (oneDNN from a packed weight for
-  fp32 prefill, the int8 VNNI tiles for quantized prefill, at::linear for bf16 / fp16) and with
-  torch's own op for that dtype, and keeps the faster. The peak is the fastest path of all: prefill
+  is timed with the op the engine runs for it where there is one (csrc/dense_gemv.h's tiles for
+  fp32 prefill, the int8 VNNI tiles for quantized prefill, at::linear for bf16 / fp16), with
+  torch's own op for that dtype and, for fp32, oneDNN from a packed weight, and keeps the fastest. The peak is the fastest path of all: prefill
   in any precision is judged against the best this CPU can do, never against a slower path than
   the one it ran (a ceiling below what the engine reaches would flatter it).
 
@@ -191,7 +191,10 @@ def matmul_candidates(n: int, flags: set[str] | None = None) -> list[Candidate]:
     gen = torch.Generator().manual_seed(0)
     a, w = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     out: list[Candidate] = [("fp32", "at::mm", lambda: torch.mm(a, w))]
-    if onednn_linear.available():  # what inferd's `Linear` runs above its own kernels' rows
+    ext = cpu_kernels()
+    if ext is not None:  # what inferd's `Linear` runs at every row count
+        out.append(("fp32", "inferd dense", functools.partial(ext.dense_linear, a, w)))
+    if onednn_linear.available():  # the fastest fp32 sgemm PyTorch has on AMD CPUs
         packed = onednn_linear.pack(w)
         out.append(("fp32", "oneDNN packed", lambda: onednn_linear.linear_packed(a, packed)))
     for dtype, half in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -200,7 +203,6 @@ def matmul_candidates(n: int, flags: set[str] | None = None) -> list[Candidate]:
             call = functools.partial(torch.nn.functional.linear, ah, wh)
             out.append((paths[dtype], "at::linear", call))
     if "int8" in paths:
-        ext = cpu_kernels()
         if ext is not None and ext.has_int8_gemm:  # quantized prefill: x rounded to int8 per call
             from inferd.quantization.formats import quantize_int8_blocks
 

@@ -1,17 +1,15 @@
 """fp32 matmuls of many rows (prefill chunks, large verification batches) through oneDNN with the
-weight packed once into its blocked layout.
+weight packed once, where the engine's C++ kernels are not built (`OneDnnLinear`,
+inferd/layers/linear.py; with them, `Linear` runs csrc/dense_gemv.h at every row count, whose
+row-count-independent summation order this does not share).
 
 PyTorch's CPU `F.linear` calls MKL's sgemm, which takes a generic path on AMD CPUs; oneDNN, which
 PyTorch also ships for any x86 vendor, runs the same matmuls at 2-3x its speed there from a
-packed weight (less from the plain one, which it re-packs every call). Up to
-`dense_gemm_max_rows` (64) rows the engine's own kernels (csrc/dense_gemv.h, dense_gemm.h) stay
-faster and are what the fused decode step runs; above it this module takes over
-(`DenseKernelLinear`, inferd/layers/linear.py). Each row's result does not depend on how many
-rows the call has.
+packed weight (less from the plain one, which it re-packs every call). Each row's result does not
+depend on how many rows a many-row call has.
 
-The packed copy costs the weight's size again in memory (made on a layer's first call with that
-many rows, so a quantized or decode-only model never makes one). `INFERD_ONEDNN_LINEAR=0` turns it
-off (at::linear then).
+The packed copy costs the weight's size again in memory (made on a layer's first call with more
+than one row). `INFERD_ONEDNN_LINEAR=0` turns it off (at::linear then).
 """
 
 from __future__ import annotations
