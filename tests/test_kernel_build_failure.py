@@ -92,3 +92,28 @@ def test_an_install_time_build_loads_only_where_its_key_matches(tmp_path) -> Non
         assert "module None" in run.stdout
         assert "compiling the fp8 kernel" in run.stderr
         assert "cannot build the fp8 kernel" in run.stderr
+
+
+@needs_avx2
+def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path) -> None:
+    """A first-use build killed while it compiles (Ctrl-C, OOM, a timeout) leaves torch's `lock`
+    file behind; the next process builds and loads the kernel instead of waiting on it forever."""
+    import signal
+    import time
+
+    env = {**os.environ, "INFERD_KERNEL_CACHE_DIR": str(tmp_path / "kernels"),
+           "INFERD_INSTALLED_KERNELS": "0"}  # fmt: skip
+    argv = [sys.executable, "-c", LOAD, str(tmp_path)]
+    first = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "kernels").rglob("lock")) and time.monotonic() < deadline:
+        assert first.poll() is None, "the first build ended before it took torch's lock"
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # the builder and its compiler, as a kill -9 would
+    first.wait()
+    assert list((tmp_path / "kernels").rglob("lock")), "the killed build left no lock to recover"
+    run = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "module inferd_fp8_scales" in run.stdout
+    assert "same as the PyTorch path True" in run.stdout

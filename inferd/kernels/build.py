@@ -15,6 +15,7 @@ environment lacks): everything at module level needs only the standard library a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import platform
@@ -22,9 +23,10 @@ import re
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -177,6 +179,23 @@ class _Progress:
             _say(f"compiled {self.what} in {time.monotonic() - self.start:.0f} s")
 
 
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build per folder at a time, across processes, and no wait on a dead builder.
+
+    torch's own guard is a `lock` file that a killed build (Ctrl-C, OOM, a timeout) leaves behind,
+    after which every later load waits for it forever. An flock is released by the kernel when its
+    holder dies, so while we hold it no live process is building here and a `lock` file is stale."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "inferd-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_extension(
     name: str, source: str, what: str, extra_cflags: tuple[str, ...] = ()
 ) -> ModuleType | None:
@@ -198,7 +217,7 @@ def load_extension(
         why = " (no install-time build for this CPU and torch)" if kernel in INSTALL_TIME else ""
         _say(f"compiling {what}{why}, once, {COMPILE_ESTIMATE}, into {directory}")
     try:
-        with _Progress(what) if fresh else nullcontext():
+        with _build_lock(directory), _Progress(what) if fresh else nullcontext():
             return cpp_extension.load(
                 name=f"inferd_{name}",
                 sources=[str(CSRC / source)],
