@@ -23,10 +23,10 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
