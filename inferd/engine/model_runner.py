@@ -258,6 +258,8 @@ class ModelRunner:
             mask=mask.unsqueeze(1),
             q_max=q_max,
             is_whole_batch=whole,
+            q_lens=q_len.view(-1),
+            ctx_lens=ctx.view(-1),
             shared=shared_prefix([(n, c, t) for _, n, c, t in group], q_max, bs, self.device),
         )
 
