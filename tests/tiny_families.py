@@ -80,7 +80,7 @@ FAMILIES = {
             "sliding_window": WINDOW,
             "max_window_layers": 0,
         },
-    ),  # fmt: skip
+    ),
     # Soft-capping tight enough to bite on these logits; layer 0 local, layer 1 global.
     "gemma2": Family(
         "gemma2",
@@ -94,7 +94,7 @@ FAMILIES = {
             "attn_logit_softcapping": 4.0,
             "final_logit_softcapping": 8.0,
         },
-    ),  # fmt: skip
+    ),
     # Head size 256 with one kv head (Gemma 3 270M's shape); layers 0-4 local, 5 global.
     "gemma3": Family(
         "gemma3",
@@ -109,7 +109,7 @@ FAMILIES = {
             "sliding_window": WINDOW,
             "query_pre_attn_scalar": 256,
         },
-    ),  # fmt: skip
+    ),
     # LongRoPE whose short factors apply (contexts up to the original 128 positions).
     "phi3": Family(
         "phi3",
@@ -125,7 +125,7 @@ FAMILIES = {
                 "long_factor": [3.0 + 0.5 * i for i in range(8)],
             },
         },
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -201,8 +201,11 @@ _GEMMA_LAYER = {
 
 
 def gguf_tensor_name(hf_name: str, arch: str) -> str:
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}  # fmt: skip
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in glob:
         return glob[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -250,8 +253,9 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
         original = cfg.rope_parameters["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
         factor = cfg.max_position_embeddings / original
-        w.add_float32(f"{arch}.rope.scaling.attn_factor",
-                      math.sqrt(1 + math.log(factor) / math.log(original)))  # fmt: skip
+        w.add_float32(
+            f"{arch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(factor) / math.log(original))
+        )
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor(
             "rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32)

@@ -118,7 +118,8 @@ def _longrope(
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     long = max_positions is not None and max_positions > original
-    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float64)
+    # fp32 factors, as transformers holds them.
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32).double()
     if ext.numel() != inv_freq.numel():
         raise ValueError(
             f"longrope factors: {ext.numel()} values for {inv_freq.numel()} frequencies"

@@ -65,7 +65,8 @@ def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
             raise ValueError("partial_rotary_factor != 1 (partial rotary embeddings) is not supported")
     full.pop("partial_rotary_factor", None)
     kind = rope_kind(full)
-    scaling = full if kind != "default" else None
+    full.pop("type", None)  # (the older name of rope_type)
+    scaling = {**full, "rope_type": kind} if kind != "default" else None
     if kind == "longrope":
         original = full.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if original is None:
@@ -196,9 +197,7 @@ def load_hf_dir(directory: Path, show_progress: bool = True, keep_quantized: boo
         config = hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required field {e.args[0]!r} is missing") from e
-    except ModelLoadError:
-        raise
-    except ValueError as e:  # a field inferd does not implement, or one out of range
+    except ValueError as e:  # an architecture or field inferd does not implement, one out of range
         raise ModelLoadError(f"{cfg_path}: {e}") from e
     files = sorted(directory.glob("*.safetensors"))
     if not files:
