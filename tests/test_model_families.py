@@ -86,7 +86,9 @@ def test_greedy_matches_transformers(families, references, family, fmt):
 def _quiet_spec_policy(monkeypatch) -> None:
     """Fixed speculation costs: the policy reads the clock otherwise, and two runs would batch
     rows differently (see test_decoder_layers.py)."""
-    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *a, **k: ({1: 0.1, 64: 0.5}, {}))
+    monkeypatch.setattr(
+        spec_decoder, "measure_verify_cost", lambda *a, **k: ({1: 0.1, 64: 0.5}, {})
+    )
     monkeypatch.setattr(SpecPolicy, "record_speculation_time", lambda self, *args: None)
 
 
@@ -96,7 +98,9 @@ def test_speculative_verification_keeps_transformers_tokens(families, references
     """Prompt-lookup drafts verified through the windowed layers: the tokens stay transformers'."""
     _quiet_spec_policy(monkeypatch)
     m = families[family]
-    llm = _llm(m.gguf_path, family, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = _llm(
+        m.gguf_path, family, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    )
     prompts = [{"prompt_token_ids": p} for p in _prompts(m.vocab_size)]
     _assert_matches(llm.generate(prompts, GREEDY, use_tqdm=False), references[family], "spec")
     assert llm.engine.stats.spec_draft_tokens > 0
@@ -125,9 +129,13 @@ def test_fused_decode_gives_the_python_layers_bits(families, family, monkeypatch
     for fused in (False, True):
         monkeypatch.setattr(decoder, "FUSED_DECODE", fused)
         fused_rows.clear()
-        llm = _llm(m.gguf_path, family, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        llm = _llm(
+            m.gguf_path, family, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+        )
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], list(fused_rows)))
+        runs.append(
+            ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], list(fused_rows))
+        )
     (want, python_rows), (got, rows) = runs
     assert not python_rows and rows
     assert got == want
@@ -240,7 +248,9 @@ def test_gguf_whose_tensors_do_not_match_its_architecture(families, tmp_path):
     with pytest.raises(ModelLoadError, match=r"'blk\.2\.attn_q_norm\.weight'.*missing"):
         load_model(missing, verbose=False)
     odd = _rewrite_gguf(gemma3, tmp_path / "odd.gguf", add="blk.0.ffn_gate_exps.weight")
-    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight' is not one a gemma3"):
+    with pytest.raises(
+        ModelLoadError, match=r"'blk\.0\.ffn_gate_exps\.weight' is not one a gemma3"
+    ):
         load_model(odd, verbose=False)
     # Gemma 3's tensors under a Llama header: its sandwich and qk norms are not a Llama's.
     relabelled = _rewrite_gguf(gemma3, tmp_path / "relabelled.gguf", arch="llama")
