@@ -275,5 +275,5 @@ def test_info_prints_the_per_layer_spec(families):
         r = subprocess.run([sys.executable, "-m", "inferd.cli", "info", str(path)],
                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
         assert r.returncode == 0, r.stderr
-        assert re.search(rf"^attention\s+{attention}$", r.stdout, re.M), r.stdout
-        assert re.search(rf"^layer\s+{re.escape(layer)}", r.stdout, re.M), r.stdout
+        assert re.search(rf"^attention\s+{attention}$", r.stdout, re.MULTILINE), r.stdout
+        assert re.search(rf"^layer\s+{re.escape(layer)}", r.stdout, re.MULTILINE), r.stdout
