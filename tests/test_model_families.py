@@ -83,6 +83,21 @@ def test_greedy_matches_transformers(families, references, family, fmt):
     llm.engine.check_no_leaks()
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "phi3"])
+def test_torch_attention_backend_matches_transformers(families, references, family):
+    """The torch backend (CUDA's, and bf16's on the CPU): short queries in one padded call under
+    per-window masks, long chunks one at a time, soft-capping computed eagerly."""
+    m = families[family]
+    llm = _llm(m.gguf_path, family, max_num_batched_tokens=64, enable_prefix_caching=True)
+    runner = llm.engine.runner
+    runner.model.select_kernels(runner.device, runner.dtype, attention="torch")
+    runner.attention_kernel = None
+    prompts = [{"prompt_token_ids": p} for p in _prompts(m.vocab_size)]
+    for where in ("cold", "cached"):
+        _assert_matches(llm.generate(prompts, GREEDY, use_tqdm=False), references[family], where)
+    llm.engine.check_no_leaks()
+
+
 def _quiet_spec_policy(monkeypatch) -> None:
     """Fixed speculation costs: the policy reads the clock otherwise, and two runs would batch
     rows differently (see test_decoder_layers.py)."""
