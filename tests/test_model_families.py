@@ -18,6 +18,7 @@ from inferd import LLM, SamplingParams
 from inferd.layers.rotary import rope_parameters
 from inferd.loader import ModelLoadError, load_model
 from inferd.models import decoder, model_spec
+from inferd.models.interface import CausalLM
 from inferd.spec import decoder as spec_decoder
 from inferd.spec.policy import SpecPolicy
 
@@ -75,6 +76,7 @@ def test_greedy_matches_transformers(families, references, family, fmt):
     m = families[family]
     llm = _llm(m.hf_dir if fmt == "hf" else m.gguf_path, family, max_num_batched_tokens=16,
                enable_prefix_caching=True)  # fmt: skip
+    assert isinstance(llm.engine.runner.model, CausalLM)  # the interface the engine relies on
     prompts = [{"prompt_token_ids": p} for p in _prompts(m.vocab_size)]
     _assert_matches(llm.generate(prompts, GREEDY, use_tqdm=False), references[family], "cold")
     hits = llm.engine.stats.prefix_cache_hits_total

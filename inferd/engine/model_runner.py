@@ -30,6 +30,7 @@ from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.layers.weight_arena import gather_weights
+from inferd.models.interface import CausalLM
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -93,7 +94,7 @@ class StepBatch:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,
