@@ -200,8 +200,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     from inferd.loader import load_model
     from inferd.quantization.policy import weight_bytes_by_mode
 
-    loaded = load_model(args.model, quantization="auto")  # GGUF blocks as shipped
+    from inferd.loader import ModelLoadError
+    from inferd.models import model_spec
+
+    tokenizer_note = None
+    try:
+        loaded = load_model(args.model, quantization="auto")  # GGUF blocks as shipped
+    except ModelLoadError as e:  # a tokenizer inferd cannot build: the model's facts still are
+        loaded = load_model(args.model, quantization="auto", with_tokenizer=False)
+        tokenizer_note = f"not supported ({e})"
     cfg = loaded.config
+    spec = model_spec(cfg)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     rows = [
@@ -212,6 +221,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("parameters", f"{cfg.num_parameters():,} ({cfg.num_parameters() / 1e6:.1f} M)"),
         ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
         ("heads (q / kv) × dim", f"{cfg.num_heads} / {cfg.num_kv_heads} × {cfg.head_dim}"),
+        ("attention", spec.summary()),
+        ("layer", spec.traits()),
         ("vocab", str(cfg.vocab_size)),
         ("context length", str(cfg.max_position_embeddings)),
         ("rope theta / scaling", f"{cfg.rope_theta:g} / {cfg.rope_scaling or 'none'}"),
@@ -221,7 +232,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("resident weights", " · ".join(
             f"{m} {b / 2**20:.1f} MiB" for m, b in
             weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings).items())),  # fmt: skip
-        ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
+        ("chat template", tokenizer_note or ("yes" if loaded.tokenizer.chat_template else "no")),
         ("torch", torch.__version__),
     ]
     width = max(len(k) for k, _ in rows)

@@ -33,11 +33,15 @@ def field_default(cls: type, name: str) -> Any:
     raise TypeError(f"{cls.__name__} has no field {name!r}")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names of a layer's attention kind
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a Llama-family decoder, read from GGUF or config.json."""
+    """Architecture hyper-parameters of a decoder, read from GGUF or config.json. What each layer
+    computes follows from these and the family (inferd/models/spec.py)."""
 
-    architecture: str  # e.g. "llama", "qwen2", "mistral"
+    architecture: str  # e.g. "llama", "qwen2", "mistral", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,6 +58,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    hidden_act: str = "silu"  # HF's name: silu, gelu_pytorch_tanh
+    # Keys a sliding-window layer's query sees, itself included; None: no layer has a window.
+    sliding_window: int | None = None
+    # Per layer "full_attention" or "sliding_attention" (HF's `layer_types`); None: every layer
+    # slides where `sliding_window` is set (Mistral, Phi-3), else none does.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # sliding layers' RoPE base where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # Gemma 2
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,6 +75,25 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if odd:
+                raise ValueError(f"unsupported layer types {odd} (supported: {', '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind, resolved (`layer_types` or its default)."""
+        if self.layer_types is not None:
+            return self.layer_types
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return (kind,) * self.num_layers
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -9,7 +9,7 @@ import pytest
 
 from inferd import LLM, SamplingParams
 from inferd.kernels.quant_gemm import extension
-from inferd.models import llama
+from inferd.models import decoder
 from inferd.quantization.formats import int8_activations
 from inferd.spec import decoder as spec_decoder
 from inferd.spec.policy import SpecPolicy
@@ -27,15 +27,15 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
               kv_cache_dtype: str = "auto") -> tuple[list, int]:  # fmt: skip
     """Greedy outputs (tokens and top-2 logprobs) and the rows of each step that took the fused
     path."""
-    monkeypatch.setattr(llama, "FUSED_DECODE", fused)
+    monkeypatch.setattr(decoder, "FUSED_DECODE", fused)
     fused_rows: list[int] = []
-    real = llama.LlamaForCausalLM._decode_layers
+    real = decoder.DecoderForCausalLM._decode_layers
 
     def counted(self, ext, x, *args):
         fused_rows.append(x.shape[0])
         return real(self, ext, x, *args)
 
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_layers", counted)
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
     # The speculation policy reads the clock (start-up calibration, the proposer's time), so under
     # load two runs draft differently, batch rows differently, and fp32 matmuls (MKL, not
     # batch-invariant) round differently: both runs get the same fixed costs, so that the layer

@@ -53,7 +53,7 @@ def test_all_together_matches_hf(prompt_ids, reference):
 
 
 def test_batch_of_sixteen_matches_hf(prompt_ids, reference):
-    # Decode steps of 16 rows run the many-row fp32 kernel (csrc/dense_gemm.h), not the few-row one.
+    # Decode steps of 16 rows run the register-blocked fp32 tiles (csrc/dense_gemv.h), not the streaming few-row kernel.
     llm = make_llm()
     assert _generate(llm, prompt_ids * 4) == reference * 4
     llm.engine.check_no_leaks()

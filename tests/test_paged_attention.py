@@ -243,3 +243,122 @@ def test_long_chunks_agree_across_backends(d):
         caches[name] = (kc, vc)
     torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-5, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(caches["cpu"], caches["torch"]))
+
+
+def _dense_reference(q, k_cache, v_cache, seqs, bs, scale, window, softcap):
+    """Every query row against its sequence's keys gathered densely, in fp64: query at position p
+    sees keys (p - window, p] (all up to p without a window), scores soft-capped first.
+    `seqs`: (first row, q_len, context after the step, block table) each."""
+    out = torch.empty_like(q, dtype=torch.float64)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    for row0, q_len, ctx, table in seqs:
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+        keys = k_cache.reshape(-1, hkv, q.shape[-1])[slots].double().repeat_interleave(hq // hkv, 1)
+        vals = v_cache.reshape(-1, hkv, q.shape[-1])[slots].double().repeat_interleave(hq // hkv, 1)
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            s = torch.einsum("hd,khd->hk", q[row0 + i].double(), keys[lo : pos + 1]) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[row0 + i] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[lo : pos + 1])
+    return out.float()
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,shapes,window,softcap",
+    [
+        # Decodes and short chunks whose windows start mid-block, one ending in its first block.
+        (9, 3, 64, 16, [(1, 40), (5, 37), (3, 9), (1, 600)], 13, None),
+        (9, 3, 64, 16, [(1, 40), (5, 37), (1, 300)], None, 3.0),
+        # Head sizes 128 and 256 (the fast path), GQA 4 and MQA, windows over 256-key splits:
+        # splits wholly before a sequence's first window are never read.
+        (8, 2, 128, 16, [(1, 700), (7, 520), (2, 257), (1, 3)], 300, 5.0),
+        (4, 1, 256, 16, [(1, 1030), (4, 600), (1, 512)], 512, None),
+        (2, 1, 256, 8, [(9, 9), (3, 70)], 4, 2.0),
+        (6, 1, 8, 1, [(2, 5), (1, 1), (4, 30)], 2, 1.5),  # a window of 2 keys, block size 1
+        (14, 2, 64, 16, [(1, 90), (3, 61)], 20, None),  # 7 query heads per kv head
+    ],
+)
+def test_window_and_softcap_on_every_path(hq, hkv, d, bs, shapes, window, softcap):
+    """The C++ kernel and the torch backend's padded call honour a layer's window and
+    soft-capping: both equal a dense fp64 reference."""
+    g = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-ctx // bs) for _, ctx in shapes) + 3
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    slots, t, sdpa, kern, _ = make_groups(shapes, bs, perm)
+    sdpa.q_lens, sdpa.ctx_lens = kern.q_lens, kern.ctx_lens
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    seqs = [(int(r), n, c, tab) for r, (n, c), tab in
+            zip(kern.row_start, shapes, [row.tolist() for row in kern.block_tables])]  # fmt: skip
+    scale = d**-0.5
+    torch_backend = attention.select_attention_backend(CPU, torch.float32, d, "torch")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = {"torch": torch_backend.forward(q, k, v, kc, vc, AttentionMetadata(slots, bs, sdpa, []),
+                                          scale, window, softcap)}  # fmt: skip
+    want = _dense_reference(q, kc, vc, seqs, bs, scale, window, softcap)
+    if extension() is not None:
+        meta = AttentionMetadata(slots, bs, None, [], kernel_group=kern)
+        got["kernel"] = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale,
+                                        window, softcap)  # fmt: skip
+    for name, out in got.items():
+        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("window,softcap", [(10, None), (None, 2.5), (7, 4.0)])
+def test_long_chunks_honour_window_and_softcap(window, softcap):
+    """Long prefill chunks (the torch backend, and the "cpu" one without its kernel group): a
+    chunk without earlier context and one after cached context, against the dense reference."""
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d, bs = 4, 2, 64, 16
+    k_cache = torch.randn(12, bs, hkv, d, generator=g)
+    v_cache = torch.randn(12, bs, hkv, d, generator=g)
+    table_a, table_b = [3, 7, 1], [9, 0, 5, 11, 2, 8]
+    n_a, ctx_b, n_b = 40, 50, 35
+    pos_b = torch.arange(ctx_b, ctx_b + n_b)
+    slots = torch.cat([torch.tensor(table_a)[torch.arange(n_a) // bs] * bs + torch.arange(n_a) % bs,
+                       torch.tensor(table_b)[pos_b // bs] * bs + pos_b % bs])  # fmt: skip
+    mask_b = torch.arange(ctx_b + n_b).unsqueeze(0) <= pos_b.unsqueeze(1)
+    prefills = [attention.PrefillSlice(0, n_a, n_a, torch.tensor(table_a), None),
+                attention.PrefillSlice(n_a, n_a + n_b, ctx_b + n_b, torch.tensor(table_b), mask_b)]  # fmt: skip
+    meta = AttentionMetadata(slots, bs, None, prefills)
+    q, k, v = (torch.randn(n_a + n_b, h, d, generator=g) for h in (hq, hkv, hkv))
+    names = ["torch"] + (["cpu"] if extension() is not None else [])
+    for name in names:
+        backend = attention.select_attention_backend(CPU, torch.float32, d, name)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = backend.forward(q, k, v, kc, vc, meta, d**-0.5, window, softcap)
+        seqs = [(0, n_a, n_a, table_a), (n_a, n_b, ctx_b + n_b, table_b)]
+        want = _dense_reference(q, kc, vc, seqs, bs, d**-0.5, window, softcap)
+        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_windowed_row_bits_do_not_depend_on_the_step(d):
+    """With a window, a query's output is still the same bits as a decode, inside a verification,
+    or beside another sequence (the splits a step reads depend on its first query)."""
+    ext = extension()
+    hq, hkv, bs, ctx_max, window = 4, 1, 16, 700, 300
+    g = torch.Generator().manual_seed(4)
+    nb = ctx_max // bs + 1
+    k_cache = torch.randn(nb, bs, hkv, d, generator=g)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=g)
+    table = torch.randperm(nb, generator=g).view(1, -1)
+    qs = torch.randn(ctx_max, hq, d, generator=g)
+
+    def run(rows: list[int], ctx: int) -> torch.Tensor:
+        q = qs[rows].contiguous()
+        out = torch.empty_like(q)
+        ext.paged_attention_short(q, k_cache, v_cache, torch.tensor([0]), torch.tensor([len(rows)]),
+                                  torch.tensor([ctx]), table, out, d**-0.5, window, 3.0)  # fmt: skip
+        return out
+
+    for p in (0, 5, 255, 256, 299, 300, 301, 555, 556, 557, 600):
+        alone = run([p], p + 1)[0]
+        if p >= 60:
+            assert torch.equal(run(list(range(p - 60, p + 1)), p + 1)[-1], alone), p
+        if p + 3 <= ctx_max:
+            assert torch.equal(run([p, p + 1, p + 2], p + 3)[0], alone), p

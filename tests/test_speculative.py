@@ -514,7 +514,7 @@ def test_eagle_caches_hold_every_position_the_target_computed(tiny_llama_gguf, t
     assert len(checked) > 10
     engine.check_no_leaks()
     from inferd.kernels.quant_gemm import extension
-    from inferd.models.llama import FUSED_DECODE
+    from inferd.models.decoder import FUSED_DECODE
 
     if FUSED_DECODE and extension() is not None:  # decodes ran fused, capturing the layer's rows
         assert set(fused_runs) == {len(features)}

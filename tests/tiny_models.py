@@ -171,6 +171,23 @@ def make_state_dict(spec: TinySpec, vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
+def add_gguf_tokenizer(w: gguf.GGUFWriter, tok: Tokenizer, pre: str) -> None:
+    """The byte-level BPE tokenizer's metadata as convert_hf_to_gguf.py writes it."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
+    w.add_token_merges(_merges(tok))
+    w.add_bos_token_id(vocab[BOS_TOKEN])
+    w.add_eos_token_id(vocab[EOS_TOKEN])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: HF's half-split rope rows → interleaved."""
     rows = w.shape[0]
@@ -260,17 +277,7 @@ def write_gguf(
     w.add_vocab_size(len(tokens))
     ftype = gguf.LlamaFileType
     w.add_file_type(ftype.ALL_F32 if quant == "f32" else ftype.MOSTLY_Q8_0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(spec.pre)
-    w.add_token_list(tokens)
-    w.add_token_types(
-        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
-    )
-    w.add_token_merges(_merges(tok))
-    w.add_bos_token_id(vocab[BOS_TOKEN])
-    w.add_eos_token_id(vocab[EOS_TOKEN])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_gguf_tokenizer(w, tok, spec.pre)
 
     expected: dict[str, torch.Tensor] = {}
     types: dict[str, QType] = {}
@@ -336,23 +343,7 @@ def write_hf_dir(
     if spec.arch == "qwen2":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (directory / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False})
-    )
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": BOS_TOKEN,
-                "eos_token": EOS_TOKEN,
-                "pad_token": SPECIAL_TOKENS[0],
-                "add_bos_token": False,
-                "chat_template": CHAT_TEMPLATE,
-                "model_max_length": spec.max_position,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
-    )
+    write_tokenizer_files(directory, tok, spec.max_position)
     tensors = {k: v.contiguous() for k, v in sd.items()}
     if num_shards == 1:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -368,6 +359,28 @@ def write_hf_dir(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return TinyModel(directory, spec, tok, sd, sd)
+
+
+def write_tokenizer_files(directory: Path, tok: Tokenizer, max_position: int) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json as HF writes them."""
+    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    (directory / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False})
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": BOS_TOKEN,
+                "eos_token": EOS_TOKEN,
+                "pad_token": SPECIAL_TOKENS[0],
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": max_position,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 def with_seed(spec: TinySpec, seed: int) -> TinySpec:

@@ -30,6 +30,7 @@ from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.layers.weight_arena import gather_weights
+from inferd.models.interface import CausalLM
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 
@@ -93,7 +94,7 @@ class StepBatch:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,
@@ -258,6 +259,8 @@ class ModelRunner:
             mask=mask.unsqueeze(1),
             q_max=q_max,
             is_whole_batch=whole,
+            q_lens=q_len.view(-1),
+            ctx_lens=ctx.view(-1),
             shared=shared_prefix([(n, c, t) for _, n, c, t in group], q_max, bs, self.device),
         )
 

@@ -53,6 +53,7 @@ __all__ = [
     "PrefillSlice",
     "SharedPrefix",
     "TorchAttention",
+    "attend",
     "paged_attention",
     "select_attention_backend",
     "shared_prefix",
@@ -106,10 +107,13 @@ def _cascade_attention(
 
 
 def _padded_group_attention(
-    q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup, scale: float, gqa: bool
-) -> torch.Tensor:
-    """The padded group's rows [N, Hq, D] (all T rows in order when `g.is_whole_batch`)."""
-    if g.shared is not None:
+    q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup, scale: float, gqa: bool,
+    window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The padded group's rows [N, Hq, D] (all T rows in order when `g.is_whole_batch`). A layer
+    with a window or soft-capping takes the plain padded call (cascade attention merges two
+    softmaxes over all shared keys, which neither allows)."""
+    if g.shared is not None and window is None and softcap is None:
         return _cascade_attention(q, k_cache, v_cache, g, scale)
     _, block_size, n_kv, d = k_cache.shape
     b, max_blocks = g.block_tables.shape
@@ -123,10 +127,46 @@ def _padded_group_attention(
         rows = q.index_select(0, g.token_rows)
         qp = q.new_zeros(b * g.q_max, n_heads, d).index_copy_(0, g.padded_index, rows)
     qp = qp.view(b, g.q_max, n_heads, d).transpose(1, 2)  # [B, Hq, Qmax, D]
-    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.mask, scale=scale,
-                                       enable_gqa=gqa)  # fmt: skip
+    mask = g.mask if window is None else g.window_mask(window)
+    o = attend(qp, keys, vals, mask, scale, softcap)
     o = o.transpose(1, 2).reshape(b * g.q_max, n_heads, d)
     return o if g.is_whole_batch else o.index_select(0, g.padded_index)
+
+
+def attend(
+    q: torch.Tensor,  # [B, Hq, Q, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [B or 1, 1, Q, S] bool (True: may attend); None: causal, Q == S
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention by SDPA; with soft-capping (scores → cap · tanh(scores / cap) before the mask
+    and softmax, as Gemma 2 computes them), eagerly. Returns [B, Hq, Q, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, s = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), v)
+
+
+def window_mask(q_start: int, n: int, s: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, s] bool: query i (at position q_start + i) may attend key j, j in (pos - window, pos]."""
+    pos = torch.arange(q_start, q_start + n, device=device).unsqueeze(1)
+    j = torch.arange(s, device=device).unsqueeze(0)
+    return (j <= pos) & (j > pos - window)
 
 
 def _write(cache: LayerKV, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -161,8 +201,12 @@ class AttentionBackend(ABC):
         v_cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+        """Write this step's K/V into the cache, then attend; returns [T, Hq, D]. A query at
+        position p sees keys (p - window, p] (all up to p when `window` is None); with `softcap`
+        its scores are soft-capped before the softmax."""
         _, block_size, n_kv, d = k_cache.shape
         if meta.mirror_rows is not None:  # before k and v are replaced by what is stored
             _write(k_cache, meta.mirror_slots, k.index_select(0, meta.mirror_rows))
@@ -181,12 +225,12 @@ class AttentionBackend(ABC):
         kg = meta.kernel_group
         if kg is not None:
             out = torch.empty_like(q)
-            self.short_queries(q, k_cache, v_cache, kg, out, scale)
+            self.short_queries(q, k_cache, v_cache, kg, out, scale, window, softcap)
             if meta.group is None and not meta.prefills:
                 return out
         g = meta.group
         if g is not None:
-            o = _padded_group_attention(q, k_cache, v_cache, g, scale, gqa)
+            o = _padded_group_attention(q, k_cache, v_cache, g, scale, gqa, window, softcap)
             if g.is_whole_batch:
                 return o
             out = (torch.empty_like(q) if out is None else out).index_copy_(0, g.token_rows, o)
@@ -200,30 +244,31 @@ class AttentionBackend(ABC):
                 kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
                 vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
                 kp, vp = kp[: p.context_len], vp[: p.context_len]
-            self.chunk(q[p.start : p.end], kp, vp, p.mask, out[p.start : p.end], scale)
+            self.chunk(
+                q[p.start : p.end], kp, vp, p.mask, out[p.start : p.end], scale, window, softcap
+            )
         return out
 
     def short_queries(
         self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
-        out: torch.Tensor, scale: float,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
     ) -> None:  # fmt: skip
         """The kernel group's rows of `out` [T, Hq, D], K/V read from the cache."""
         raise NotImplementedError(f"attention backend {self.name!r} has no short-query kernel")
 
     def chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-        out: torch.Tensor, scale: float,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
     ) -> None:  # fmt: skip
         """One long chunk: q [n, Hq, D] against k, v [S, Hkv, D] (S >= n, the chunk's queries
-        last) under `mask` [n, S] (None: plain causal), into `out` [n, Hq, D]."""
+        last) under `mask` [n, S] (None: plain causal), into `out` [n, Hq, D]; with a `window`,
+        query i (at key position S - n + i) sees only the last `window` keys up to its own."""
+        if window is not None:
+            n, s = q.shape[0], k.shape[0]
+            mask = window_mask(s - n, n, s, window, q.device)
         qp = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        gqa = q.shape[1] != k.shape[1]
-        sdpa = F.scaled_dot_product_attention
-        if mask is None:
-            o = sdpa(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = sdpa(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = attend(qp, kp, vp, mask, scale, softcap)
         out.copy_(o.squeeze(0).transpose(0, 1))
 
 
@@ -277,9 +322,10 @@ class CpuKernelAttention(AttentionBackend):
 
     def short_queries(
         self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
-        out: torch.Tensor, scale: float,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
     ) -> None:  # fmt: skip
         q = q.contiguous()
+        w, cap = window or 0, softcap or 0.0  # the kernel's "none"
         runs = _entry_slices(g)
         for a, b in runs:
             starts, q_lens, ctx_lens, tables = (
@@ -288,16 +334,18 @@ class CpuKernelAttention(AttentionBackend):
             if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
                 self.kernel.paged_attention_short_quant(
                     q, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
-                    k_cache.fmt.kernel_code, starts, q_lens, ctx_lens, tables, out, scale,
+                    k_cache.fmt.kernel_code, starts, q_lens, ctx_lens, tables, out, scale, w, cap,
                 )  # fmt: skip
             else:
                 self.kernel.paged_attention_short(q, k_cache, v_cache, starts, q_lens, ctx_lens,
-                                                  tables, out, scale)  # fmt: skip
+                                                  tables, out, scale, w, cap)  # fmt: skip
 
     def _chunk_kernel(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-        out: torch.Tensor, scale: float,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
     ) -> None:  # fmt: skip
+        if window is not None or softcap is not None:  # the kernel is plain causal
+            return AttentionBackend.chunk(self, q, k, v, mask, out, scale, window, softcap)
         # The kernel's causal mask is the chunk's queries last among the keys: `mask` says that.
         self.kernel.prefill_attention(q, k, v, out, scale)
 
@@ -344,9 +392,9 @@ def _default_backend(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`AttentionBackend.forward` of the backend selected for q's device, dtype and head size:
     for callers holding no model (tests, tools). Returns [T, Hq, D]."""
     backend = _default_backend(q.device, q.dtype, q.shape[-1])
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)

@@ -26,7 +26,7 @@ partial softmaxes merge exactly through their log-sum-exps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -117,6 +117,22 @@ class PaddedGroup:
     q_lens: torch.Tensor | None = None  # [B]
     ctx_lens: torch.Tensor | None = None  # [B] tokens in the cache after this step
     shared: SharedPrefix | None = None  # cascade attention plan (padded group only)
+    # `mask` narrowed to each window the step's layers have, made on first use (padded group).
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` where query i of sequence b (at position ctx - q_len + i) sees keys
+        (pos - window, pos] only; padded rows still see key 0 (never an all-masked row)."""
+        m = self._window_masks.get(window)
+        if m is None:
+            q_max, keys = self.mask.shape[-2], self.mask.shape[-1]
+            q_len, ctx = self.q_lens.view(-1, 1, 1), self.ctx_lens.view(-1, 1, 1)
+            i = torch.arange(q_max, device=q_len.device).view(1, -1, 1)
+            j = torch.arange(keys, device=q_len.device).view(1, 1, -1)
+            pos = ctx - q_len + i
+            m = ((j <= pos) & (j > pos - window)) | ((i >= q_len) & (j == 0))
+            m = self._window_masks[window] = m.unsqueeze(1)
+        return m
 
 
 @dataclass(slots=True)

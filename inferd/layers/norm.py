@@ -49,8 +49,8 @@ def _composite(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 class CpuKernelNorm(NormBackend):
     """fp32 on the CPU with the C++ kernels: one loop per row (csrc/layer_ops.h), the op the
-    fused decode step runs, so both paths give the same bits; rows that are no 2-D unit-stride
-    matrix go through the 5-op composite."""
+    fused decode step runs, so both paths give the same bits (rows of a 2-D matrix, or heads of a
+    [T, H, D] one); other layouts go through the 5-op composite."""
 
     name = "cpu"
 
@@ -66,6 +66,8 @@ class CpuKernelNorm(NormBackend):
             return _upcast(norm, x)
         if x.dim() == 2 and x.stride(1) == 1:
             return self.ext.rms_norm(x, norm.weight, norm.eps)
+        if x.dim() == 3 and x.stride(2) == 1:  # heads [T, H, D] (qk-norm): each as a row
+            return self.ext.rms_norm_heads(x, norm.weight, norm.eps)
         return _composite(norm, x)
 
 

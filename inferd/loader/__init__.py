@@ -40,12 +40,14 @@ def load_model(
     use_cache: bool = True,
     verbose: bool = True,
     quantization: str = "none",
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a GGUF file or HF directory (None: the default model), printing the load time.
 
     `quantization` is the engine's `--quantization`: unless "none", a GGUF file's Q8_0/Q4_0/Q4_1
     matrices, and an AWQ / GPTQ checkpoint's int4 layers, stay in their blocks (`QuantizedWeight`)
-    instead of being dequantized to fp32."""
+    instead of being dequantized to fp32. Without `with_tokenizer`, a GGUF file's tokenizer is
+    not built (the result's may be None): for tools that need the weights and config only."""
     from inferd.quantization.policy import keeps_file_quantization
 
     keep = keeps_file_quantization(quantization)
@@ -56,8 +58,10 @@ def load_model(
     elif path.is_file():
         loaded = conversion_cache.load_cached(path, keep) if use_cache else None
         if loaded is None:
-            loaded = load_gguf(path, show_progress=verbose, keep_quantized=keep)
-            if use_cache:
+            loaded = load_gguf(
+                path, show_progress=verbose, keep_quantized=keep, with_tokenizer=with_tokenizer
+            )
+            if use_cache and loaded.tokenizer is not None:
                 conversion_cache.store(path, loaded, keep)
     else:
         raise ModelLoadError(f"{path}: neither a GGUF file nor a model directory")

@@ -27,7 +27,7 @@ from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel
 from inferd.quantization.formats import QuantizedWeight
 
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 
 def _entry(path: Path, keep_quantized: bool = False) -> Path:
@@ -67,6 +67,8 @@ def load_cached(path: Path, keep_quantized: bool = False) -> LoadedModel | None:
         meta = json.loads(meta_path.read_text())
         cfg = meta["config"]
         cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        if cfg.get("layer_types") is not None:
+            cfg["layer_types"] = tuple(cfg["layer_types"])
         config = ModelConfig(**cfg)
         tok = meta["tokenizer"]
         tokenizer = Tokenizer(

@@ -17,39 +17,96 @@ from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
 from inferd.quantization.formats import GGUF_NATIVE, QuantizedWeight, from_gguf_blocks
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
-# GGUF tensor names → HF names; "{i}" is the layer index.
-_LAYER_NAMES = {
+# llama.cpp's tensor names per architecture (under blk.{i}.) → HF names (under
+# model.layers.{i}.). Every name a table lists must be in every layer unless optional.
+_LLAMA_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QKV_BIAS = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GEMMA_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_PHI3_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate and up stacked, gate first
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# (layer names, the optional ones among them)
+_ARCH_TENSORS: dict[str, tuple[dict[str, str], frozenset[str]]] = {
+    "llama": ({**_LLAMA_LAYER, **_QKV_BIAS}, frozenset(_QKV_BIAS)),
+    "mistral": ({**_LLAMA_LAYER, **_QKV_BIAS}, frozenset(_QKV_BIAS)),
+    "qwen2": ({**_LLAMA_LAYER, **_QKV_BIAS}, frozenset()),
+    "qwen3": ({**_LLAMA_LAYER, **_QK_NORM}, frozenset()),
+    "gemma2": (_GEMMA_LAYER, frozenset()),
+    "gemma3": ({**_GEMMA_LAYER, **_QK_NORM}, frozenset()),
+    "phi3": (_PHI3_LAYER, frozenset()),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_TENSORS)
+# Architectures whose Q/K rows convert_hf_to_gguf.py permutes for llama.cpp's (interleaved) rope.
+_PERMUTED_ROPE = ("llama", "mistral")
+# Architectures whose norms scale by (1 + w): convert_hf_to_gguf.py stores w + 1.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freq_factors",
 }
+_OPTIONAL_GLOBALS = frozenset({"output.weight", "rope_freqs.weight"})
+# Phi-3's LongRoPE factors: read into the config's rope scaling, not weights.
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of an `arch` model; None for one such a model has not."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _ARCH_TENSORS[arch][0]
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
+
+
+def _check_tensors(names: list[str], arch: str, num_layers: int) -> None:
+    """ModelLoadError naming the first tensor an `arch` model cannot have, or the first it lacks."""
+    layer_names, optional = _ARCH_TENSORS[arch]
+    present = set(names)
+    for name in names:
+        m = _BLOCK_RE.fullmatch(name)
+        known = name in _GLOBAL_NAMES or (arch == "phi3" and name in _ROPE_FACTORS)
+        if m:
+            known = m.group(2) in layer_names and int(m.group(1)) < num_layers
+        if not known:
+            raise ModelLoadError(f"tensor {name!r} is not one a {arch} model has "
+                                 f"(block_count {num_layers}); the file does not match its architecture")  # fmt: skip
+    wanted = [g for g in _GLOBAL_NAMES if g not in _OPTIONAL_GLOBALS]
+    wanted += [f"blk.{i}.{n}" for i in range(num_layers) for n in layer_names if n not in optional]
+    missing = [n for n in wanted if n not in present]
+    if missing:
+        more = f"; {len(missing)} tensors missing in all" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]!r} ({hf_tensor_name(missing[0], arch)}) missing: "
+                             f"a {arch} model has it{more}")  # fmt: skip
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -79,6 +136,55 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _tensor_values(reader: Any, name: str) -> list[float] | None:
+    t = next((t for t in reader.tensors if t.name == name), None)
+    return None if t is None else [float(v) for v in _dequantize(t).reshape(-1)]
+
+
+def _rope_scaling(reader: Any, arch: str, get: Any, max_positions: int) -> dict[str, Any] | None:
+    """The HF rope_scaling the file's metadata (and Phi-3's factor tensors) state; an error for a
+    type inferd does not compute."""
+    kind = get("rope.scaling.type")
+    original = get("rope.scaling.original_context_length")
+    long, short = _tensor_values(reader, _ROPE_FACTORS[0]), _tensor_values(reader, _ROPE_FACTORS[1])
+    if long is not None or short is not None:  # Phi-3's LongRoPE
+        if long is None or short is None or original is None:
+            raise ModelLoadError("LongRoPE needs rope_factors_long, rope_factors_short and "
+                                 f"{arch}.rope.scaling.original_context_length")  # fmt: skip
+        scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                   "original_max_position_embeddings": int(original),
+                   "factor": max_positions / int(original)}  # fmt: skip
+        if get("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+        return scaling
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        if original is None:
+            raise ModelLoadError(f"yarn rope scaling needs {arch}.rope.scaling.original_context_length")
+        scaling = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": int(original)}  # fmt: skip
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if get(f"rope.scaling.{key}") is not None:
+                scaling[hf] = float(get(f"rope.scaling.{key}"))
+        return scaling
+    raise ModelLoadError(f"unsupported rope scaling type {kind!r} in {arch}.rope.scaling.type "
+                         "(supported: linear, yarn, Phi-3's longrope)")  # fmt: skip
+
+
+def _layer_types(arch: str, num_layers: int, window: int | None) -> tuple[str, ...] | None:
+    """Which layers slide: llama.cpp's patterns (not in the file) for Gemma, every layer for
+    others that state a window."""
+    if window is None:
+        return None
+    period = {"gemma2": 2, "gemma3": 6}.get(arch)
+    if period is None:
+        return None
+    return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers))
+
+
 def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -87,12 +193,20 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
     n_head = get("attention.head_count")
     if n_embd is None or n_head is None or get("block_count") is None:
         raise ModelLoadError(f"GGUF metadata lacks {arch}.embedding_length/head_count/block_count")
+    n_layers = int(get("block_count"))
     n_head_kv = get("attention.head_count_kv", n_head)
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or n_embd // n_head
-    rope_scaling = None
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or n_embd // n_head)
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ModelLoadError(f"{arch}.rope.dimension_count {rope_dims} != head size {head_dim}: "
+                             "partial rotary embeddings are not supported")  # fmt: skip
+    max_positions = int(get("context_length", 2048))
+    window = get("attention.sliding_window")
+    window = int(window) if window else None
+    gemma = arch in ("gemma2", "gemma3")
+    scalar = None
+    if gemma:  # llama.cpp: 1/sqrt(n_embd / n_head) for the 27B models, 1/sqrt(head_dim) otherwise
+        scalar = n_embd / n_head if n_layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
@@ -101,19 +215,26 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
         vocab_size=int(get("vocab_size") or n_vocab),
         hidden_size=int(n_embd),
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=n_layers,
         num_heads=int(n_head),
         num_kv_heads=int(n_head_kv),
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(get("context_length", 2048)),
+        rope_scaling=_rope_scaling(reader, arch, get, max_positions),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,  # corrected below if an output.weight tensor exists
         attention_bias=arch == "qwen2",
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         name=str(_field(reader, "general.name", "") or ""),
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        sliding_window=window,
+        layer_types=_layer_types(arch, n_layers, window),
+        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        query_pre_attn_scalar=scalar,
+        attn_logit_softcapping=get("attn_logit_softcapping"),
+        final_logit_softcapping=get("final_logit_softcapping"),
     )
 
 
@@ -157,12 +278,14 @@ def _native(tensor: Any) -> QuantizedWeight:
     return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
 
 
-def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = False) -> LoadedModel:
+def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = False,
+              with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
     """Any failure on a damaged file (undecodable strings, merges or vocab the tokenizer refuses)
     surfaces as one ModelLoadError naming the file. `keep_quantized`: Q8_0/Q4_0/Q4_1 matrices come
-    back as `QuantizedWeight`s in their blocks instead of dequantized fp32."""
+    back as `QuantizedWeight`s in their blocks instead of dequantized fp32. Without
+    `with_tokenizer` the result has none (what `inferd info` and tools that pass token ids need)."""
     try:
-        return _load_gguf(path, show_progress, keep_quantized)
+        return _load_gguf(path, show_progress, keep_quantized, with_tokenizer)
     except ModelLoadError as e:
         if str(path) in str(e):
             raise
@@ -171,7 +294,8 @@ def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = Fal
         raise ModelLoadError(f"{path}: corrupt GGUF metadata: {type(e).__name__}: {e}") from e
 
 
-def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) -> LoadedModel:
+def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
+               with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
     import gguf
 
     try:
@@ -186,13 +310,16 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) ->
         )
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     config = _model_config(reader, arch, len(tokens))
+    _check_tensors([t.name for t in reader.tensors], arch, config.num_layers)
+    tokenizer = _tokenizer(reader, config) if with_tokenizer else None
+    permuted = arch in _PERMUTED_ROPE
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     types: Counter[str] = Counter()
     bar = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress,
                leave=False)  # fmt: skip
     for t in bar:
-        name = hf_tensor_name(t.name)
-        if name is None:
+        name = hf_tensor_name(t.name, arch)
+        if name is None:  # (Phi-3's rope factors, read into the config)
             continue
         types[t.tensor_type.name] += 1
         if keep_quantized and t.tensor_type.name in GGUF_NATIVE and len(t.shape) == 2:
@@ -200,7 +327,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) ->
                 qw = _native(t)
             except Exception as e:
                 raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {e}") from e
-            if arch != "qwen2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 qw = qw.rows(unpermute_rope(np.arange(qw.shape[0]), heads))  # rows, as below
             weights[name] = qw
@@ -209,12 +336,14 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) ->
             arr = _dequantize(t)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {e}") from e
-        if arch != "qwen2":
+        if permuted:
             # convert_hf_to_gguf permutes q/k rows of Llama models for llama.cpp's rope.
             if name.endswith("q_proj.weight"):
                 arr = unpermute_rope(arr, config.num_heads)
             elif name.endswith("k_proj.weight"):
                 arr = unpermute_rope(arr, config.num_kv_heads)
+        if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)  # back to the checkpoint's w (the model adds the 1)
         weights[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     if "lm_head.weight" in weights:
         from dataclasses import replace
@@ -224,7 +353,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) ->
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=_tokenizer(reader, config),
+        tokenizer=tokenizer,
         source=str(path),
         file_type=f"GGUF ({main_type})",
     )

@@ -12,14 +12,20 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from inferd.config import ModelConfig
+from inferd.layers.rotary import rope_kind
 from inferd.loader import hf_quantized
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
+from inferd.models.spec import activation_of
 
 SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -36,6 +42,73 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(base, scaling of the global layers, base of the sliding ones where it differs) from either
+    config shape: transformers 5's `rope_parameters` (flat, or per layer type) or the older
+    `rope_theta` / `rope_scaling` / `rope_local_base_freq`. A scaling inferd does not compute is an
+    error, never ignored."""
+    params = cfg.get("rope_parameters")
+    local: dict[str, Any] | None = None
+    if isinstance(params, dict) and ({"full_attention", "sliding_attention"} & set(params)):
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    elif isinstance(params, dict):
+        full = dict(params)
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        if "rope_local_base_freq" in cfg:
+            local = {"rope_theta": cfg["rope_local_base_freq"]}
+    default_theta = {"gemma3": 1_000_000.0}.get(arch, 10000.0)
+    theta = float(full.pop("rope_theta", cfg.get("rope_theta", default_theta)))
+    for where in (full, local or {}, cfg):
+        if float(where.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 (partial rotary embeddings) is not supported")
+    full.pop("partial_rotary_factor", None)
+    kind = rope_kind(full)
+    full.pop("type", None)  # (the older name of rope_type)
+    scaling = {**full, "rope_type": kind} if kind != "default" else None
+    if kind == "longrope":
+        original = full.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if original is None:
+            raise ValueError("longrope scaling needs original_max_position_embeddings")
+        scaling = {**full, "rope_type": "longrope", "original_max_position_embeddings": int(original)}
+        scaling.setdefault("factor", cfg.get("max_position_embeddings", original) / int(original))
+    local_theta = None
+    if local is not None and arch == "gemma3":
+        if rope_kind(local) != "default":
+            raise ValueError(f"rope scaling on sliding layers ({rope_kind(local)!r}) is not supported")
+        local_theta = float(local.get("rope_theta", 10000.0))
+    return theta, scaling, local_theta
+
+
+def _sliding(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, layer types): the config's `layer_types` where it has them, else the family's
+    rule (Gemma 2 every other layer from the first, Gemma 3 all but every `sliding_window_pattern`th,
+    Qwen from `max_window_layers` on when `use_sliding_window`, every layer elsewhere)."""
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch == "llama":
+        window = None  # Llama's attention has no window (a stray key in a config is ignored by HF too)
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (inferd's attention is causal)")
+    types = cfg.get("layer_types")
+    if types is not None:
+        return (int(window) if window else None), tuple(types)
+    if not window:
+        return None, None
+    window = int(window)
+    if arch == "gemma2":
+        return window, tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers))
+    if arch == "gemma3":
+        period = int(cfg.get("sliding_window_pattern", 6))
+        return window, tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers))
+    if arch in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", n_layers))
+        return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
+    return window, None
+
+
 def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
@@ -44,26 +117,41 @@ def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelCon
             f"unsupported architecture {archs or cfg.get('model_type')!r}; inferd supports "
             f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias (biases on the MLP projections) is not supported")
     n_heads = cfg["num_attention_heads"]
+    n_layers = cfg["num_hidden_layers"]
     eos = _as_tuple(generation.get("eos_token_id")) or _as_tuple(cfg.get("eos_token_id"))
+    theta, scaling, local_theta = _rope(cfg, arch)
+    window, layer_types = _sliding(cfg, arch, n_layers)
+    gemma = arch in ("gemma2", "gemma3")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    activation_of(act)  # an activation inferd does not compute is an error here, at load
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=cfg.get("_name_or_path", ""),
+        hidden_act=act,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
     )
 
 
@@ -109,6 +197,8 @@ def load_hf_dir(directory: Path, show_progress: bool = True, keep_quantized: boo
         config = hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required field {e.args[0]!r} is missing") from e
+    except ValueError as e:  # an architecture or field inferd does not implement, one out of range
+        raise ModelLoadError(f"{cfg_path}: {e}") from e
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")

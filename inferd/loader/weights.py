@@ -21,6 +21,6 @@ class LoadedModel:
     # HF names: model.layers.0.self_attn.q_proj.weight, ...; fp32 tensors, or GGUF blocks kept as
     # they are (`QuantizedWeight`) when the loader was asked to keep the file's quantization.
     weights: dict[str, torch.Tensor | QuantizedWeight]
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None only where the loader was asked not to build one
     source: str  # the path it came from
     file_type: str  # e.g. "GGUF Q4_1", "safetensors bfloat16"

@@ -1,13 +1,43 @@
-"""Model architectures by name (a registry: the loader's `architecture` picks the class)."""
+"""Model architectures by name (a registry: the loader's `architecture` picks the class). Each
+family is one file; the interface they all implement is inferd/models/interface.py."""
 
 from __future__ import annotations
 
 import torch
 
 from inferd.config import ModelConfig
+from inferd.models.decoder import DecoderForCausalLM
+from inferd.models.gemma2 import Gemma2ForCausalLM
+from inferd.models.gemma3 import Gemma3ForCausalLM
 from inferd.models.llama import LlamaForCausalLM
+from inferd.models.phi3 import Phi3ForCausalLM
+from inferd.models.qwen2 import Qwen2ForCausalLM
+from inferd.models.qwen3 import Qwen3ForCausalLM
+from inferd.models.spec import ModelSpec
 
-MODEL_REGISTRY = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[DecoderForCausalLM]:
+    cls = MODEL_REGISTRY.get(architecture)
+    if cls is None:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} (supported: {', '.join(MODEL_REGISTRY)})"
+        )
+    return cls
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """The per-layer spec a model of `cfg` runs (nothing is built)."""
+    return model_class(cfg.architecture).spec_for(cfg)
 
 
 def build_model(
@@ -19,10 +49,8 @@ def build_model(
     device: torch.device,
     quantization: str = "none",
     quantization_group_size: int = 32,
-) -> torch.nn.Module:
-    cls = MODEL_REGISTRY.get(cfg.architecture)
-    if cls is None:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}")
+) -> DecoderForCausalLM:
+    cls = model_class(cfg.architecture)
     # Build on the meta device and materialise once: no wasted random init of 100M+ parameters.
     with torch.device("meta"):
         model = cls(cfg)

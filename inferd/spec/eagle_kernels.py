@@ -137,7 +137,7 @@ def fused_weights(head: EagleHead) -> Any:
         return cached or None
     from inferd.layers.linear import Embedding
     from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
-    from inferd.models.llama import kernel_linear_weights
+    from inferd.models.decoder import kernel_linear_weights
     from inferd.quantization import formats
 
     ext, fused = head._kernels, False

@@ -54,22 +54,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "x[M,K] · w[N,K]^T (+ bias), fp32", py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 
+  // window: keys (p - window, p] for a query at p (0: all up to p); softcap: scores -> cap *
+  // tanh(scores / cap) (0: none).
   m.def("paged_attention_short", &paged_attn::paged_attention_short,
-        "paged attention for short queries (CPU, fp32)");
+        "paged attention for short queries (CPU, fp32)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("row_start"), py::arg("q_lens"), py::arg("ctx_lens"), py::arg("block_tables"), py::arg("out"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("prefill_attention", &prefill_attn::prefill_attention,
         "causal attention of a prefill chunk, head size 64: q, out [T, Hq, 64]; k, v [S >= T, Hkv, 64] "
         "(fp32); query i sees keys [0, S - T + i]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"));
   m.def("paged_attention_short_quant", &paged_attn::paged_attention_short_quant,
-        "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)");
+        "paged attention for short queries over an int8 / fp8 KV cache (CPU, fp32 queries)", py::arg("q"),
+        py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"), py::arg("code"),
+        py::arg("row_start"), py::arg("q_lens"), py::arg("ctx_lens"), py::arg("block_tables"), py::arg("out"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
 
   // module_local: the AVX2-only build of this file is loaded beside it (the tests run both).
   // The layers' elementwise ops on fp32 CPU rows (layer_ops.h): the Python layers call them too.
   m.def("rms_norm", &layer_ops::rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
+  m.def("rms_norm_heads", &layer_ops::rms_norm_heads, "rms_norm of each head of x [T, H, D], one weight [D]");
   m.def("add_rms_norm", &layer_ops::add_rms_norm, "(x + delta, rms_norm(x + delta))");
   m.def("copy_slots", &layer_ops::copy_slots, "KV rows of flat slots src -> dst in every layer, K and V");
   m.def("rotary", &layer_ops::rotary, "x * cos + swap_halves(x) * sin for x [T, H, D]");
   m.def("silu_mul", &layer_ops::silu_mul, "silu(gu[:, :I]) * gu[:, I:]");
+  m.def("gelu_tanh_mul", &layer_ops::gelu_tanh_mul, "gelu_tanh(gu[:, :I]) * gu[:, I:]");
   // The sampler's row work (sampling_ops.h).
   m.def("argmax_rows", &sampling_ops::argmax_rows, "torch.argmax(x, -1) of fp32 rows");
   m.def("runner_ups", &sampling_ops::runner_ups,
@@ -94,9 +103,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
            py::arg("group"), py::arg("stream") = true);
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
-      .def(py::init<torch::Tensor, torch::Tensor, LinearWeights, LinearWeights, LinearWeights, LinearWeights>(),
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, LinearWeights qkv, LinearWeights o,
+                       LinearWeights gate_up, LinearWeights down, c10::optional<torch::Tensor> q_norm,
+                       c10::optional<torch::Tensor> k_norm, c10::optional<torch::Tensor> post_attn_norm,
+                       c10::optional<torch::Tensor> post_mlp_norm) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerWeights: q_norm and k_norm together");
+             TORCH_CHECK(post_attn_norm.has_value() == post_mlp_norm.has_value(),
+                         "LayerWeights: post_attn_norm and post_mlp_norm together");
+             return LayerWeights{input_norm, post_norm, qkv, o, gate_up, down,
+                                 q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
+                                 post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor())};
+           }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"));
+           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none());
+  py::class_<decoder::LayerSpec>(m, "DecoderLayerSpec", py::module_local())
+      .def(py::init([](int64_t rope, int64_t window, double scale, double softcap, int64_t activation) {
+             TORCH_CHECK(window >= 0 && softcap >= 0.0 && (activation == 0 || activation == 1),
+                         "DecoderLayerSpec: window >= 0, softcap >= 0, activation 0 (silu) or 1 (gelu_tanh)");
+             return decoder::LayerSpec{rope, window, scale, softcap, activation};
+           }),
+           py::arg("rope"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("activation"));
   py::class_<Shape>(m, "DecoderShape", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, bool>(), py::arg("n_heads"),
            py::arg("n_kv"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),

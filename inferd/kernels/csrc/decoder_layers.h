@@ -1,7 +1,9 @@
-// Every decoder layer of a decode step in one call: the Llama layer of inferd/models/llama.py,
-// op for op, for steps whose every query row goes to the paged attention kernel (decodes and
-// speculative verification) over any KV cache: fp32, fp16 or bf16, or int8 / fp8 codes with
-// scales (quantized to the same codes and scales as inferd/kv/kv_cache.py's quantize_kv).
+// Every decoder layer of a decode step in one call: the layer of inferd/models/decoder.py, op for
+// op, as each layer's spec (inferd/models/spec.py) shapes it: pre or sandwich norms, qk-norm,
+// SiLU or GELU-tanh, its RoPE table, window, scale and soft-capping. For steps whose every query
+// row goes to the paged attention kernel (decodes and speculative verification) over any KV
+// cache: fp32, fp16 or bf16, or int8 / fp8 codes with scales (quantized to the same codes and
+// scales as inferd/kv/kv_cache.py's quantize_kv).
 //
 // Why: at batch 1 the Python layer loop issues ~25 ATen calls per layer (30 layers in the
 // default model), and their bindings and argument parsing are a large share of a quantized decode
@@ -41,13 +43,26 @@ struct LinearWeights {
 };
 
 struct LayerWeights {
-  torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
+  torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]: before attention, before the MLP
   LinearWeights qkv, o, gate_up, down;
+  // Undefined where the layer has none: qk-norm weights [head_dim]; sandwich norms' post norms of
+  // the attention and MLP outputs [hidden].
+  torch::Tensor q_norm, k_norm, post_attn_norm, post_mlp_norm;
+};
+
+// What the layer's spec varies beyond its weights (inferd/models/spec.py LayerSpec).
+struct LayerSpec {
+  enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };  // spec.ACTIVATIONS' order
+  int64_t rope;  // index into the step's cos / sin tables
+  int64_t window;  // 0: none
+  double scale;
+  double softcap;  // 0: none
+  int64_t activation;
 };
 
 struct Shape {
   int64_t n_heads, n_kv, head_dim, intermediate;
-  double eps, scale;
+  double eps, scale;  // (decode_layers takes each layer's scale from its LayerSpec)
   bool int8_activations;  // formats.INT8_ACTIVATIONS as resolved for this extension
 };
 
@@ -125,13 +140,15 @@ inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scal
   }
 }
 
-// x [T, hidden] through every layer; the attention metadata is the step's kernel group. With
-// `capture` (ascending layer indices), each of those layers' output rows is copied into
-// captured[j] ([len(capture), T, hidden]): a draft head's extra features (EAGLE-3).
+// x [T, hidden] through every layer; the attention metadata is the step's kernel group, cos / sin
+// the step's rows of each RoPE table. With `capture` (ascending layer indices), each of those
+// layers' output rows is copied into captured[j] ([len(capture), T, hidden]): a draft head's
+// extra features (EAGLE-3).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
+                            const std::vector<LayerSpec>& specs,
                             const std::vector<torch::Tensor>& k_caches,
-                            const std::vector<torch::Tensor>& v_caches, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                            const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& cos,
+                            const std::vector<torch::Tensor>& sin, const torch::Tensor& slot_mapping,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
                             const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
                             const Shape& s, const QuantizedCaches& quant,
@@ -139,14 +156,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const std::optional<torch::Tensor>& mirror_slots,
                             const std::vector<int64_t>& capture,
                             const std::optional<torch::Tensor>& captured) {
-  TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(),
-              "decode_layers: one K and one V cache per layer");
+  TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size() && layers.size() == specs.size(),
+              "decode_layers: one spec, one K and one V cache per layer");
+  TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decode_layers: one sin table per cos table");
+  for (const LayerSpec& spec : specs)
+    TORCH_CHECK(spec.rope >= 0 && spec.rope < static_cast<int64_t>(cos.size()), "decode_layers: rope table out of range");
   const bool quantized = !quant.k_scales.empty();
   TORCH_CHECK(!quantized || (quant.k_scales.size() == layers.size() && quant.v_scales.size() == layers.size()),
               "decode_layers: one K and one V scale tensor per layer");
   const int64_t t = x.size(0), q_size = s.n_heads * s.head_dim, kv_size = s.n_kv * s.head_dim;
   // The residual add of each block is fused with the norm after it (exact adds: the same bits as
-  // LlamaDecoderLayer's `x + ...` followed by the norm).
+  // DecoderLayer's `x + ...` followed by the norm).
   TORCH_CHECK(capture.empty() || (captured.has_value() && captured->size(0) == static_cast<int64_t>(capture.size())),
               "decode_layers: one captured row block per captured layer");
   if (layers.empty()) return x;
@@ -159,44 +179,60 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   torch::Tensor pending;  // the last MLP output, not yet added to x
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
+    const LayerSpec& spec = specs[i];
     if (pending.defined()) {
       std::tie(x, h) = layer_ops::add_rms_norm(x, pending, l.input_norm, s.eps);
       keep_output_of(i - 1);
     }
-    // LlamaAttention.forward
+    // Attention.forward
     torch::Tensor qkv = linear(l.qkv, h, s);
     std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
-    torch::Tensor qk = layer_ops::rotary(parts[0].view({t, s.n_heads + s.n_kv, s.head_dim}), cos, sin);
-    std::vector<torch::Tensor> q_k = qk.split_with_sizes({s.n_heads, s.n_kv}, 1);
+    const torch::Tensor& c = cos[spec.rope];
+    const torch::Tensor& sn = sin[spec.rope];
+    const torch::Tensor qk_rows = parts[0].view({t, s.n_heads + s.n_kv, s.head_dim});
+    torch::Tensor q, k;
+    if (l.q_norm.defined()) {  // RMSNorm of each q and k head, then RoPE
+      q = layer_ops::rotary(layer_ops::rms_norm_heads(qk_rows.narrow(1, 0, s.n_heads), l.q_norm, s.eps), c, sn);
+      k = layer_ops::rotary(layer_ops::rms_norm_heads(qk_rows.narrow(1, s.n_heads, s.n_kv), l.k_norm, s.eps), c, sn);
+    } else {  // q and k heads rotate together
+      std::vector<torch::Tensor> q_k = layer_ops::rotary(qk_rows, c, sn).split_with_sizes({s.n_heads, s.n_kv}, 1);
+      q = q_k[0].contiguous();
+      k = q_k[1];
+    }
     // paged_attention (inferd/layers/attention.py), kernel group only: K/V into their slots.
     const torch::Tensor v_rows = parts[1].view({t, s.n_kv, s.head_dim});
-    torch::Tensor q = q_k[0].contiguous();
     torch::Tensor o = torch::empty_like(q);
     if (mirror_rows.has_value()) {  // a draft-tree leaf's scratch block repeats these keys
       if (quantized) {
-        const torch::Tensor mk = q_k[1].index_select(0, *mirror_rows);
+        const torch::Tensor mk = k.index_select(0, *mirror_rows);
         const torch::Tensor mv = v_rows.index_select(0, *mirror_rows);
         write_quantized(k_caches[i], quant.k_scales[i], *mirror_slots, mk, quant.code, quant.qmax);
         write_quantized(v_caches[i], quant.v_scales[i], *mirror_slots, mv, quant.code, quant.qmax);
       } else {
-        layer_ops::write_rows(k_caches[i], *mirror_slots, q_k[1], &*mirror_rows);
+        layer_ops::write_rows(k_caches[i], *mirror_slots, k, &*mirror_rows);
         layer_ops::write_rows(v_caches[i], *mirror_slots, v_rows, &*mirror_rows);
       }
     }
     if (quantized) {
-      write_quantized(k_caches[i], quant.k_scales[i], slot_mapping, q_k[1], quant.code, quant.qmax);
+      write_quantized(k_caches[i], quant.k_scales[i], slot_mapping, k, quant.code, quant.qmax);
       write_quantized(v_caches[i], quant.v_scales[i], slot_mapping, v_rows, quant.code, quant.qmax);
       paged_attn::paged_attention_short_quant(q, k_caches[i], v_caches[i], quant.k_scales[i], quant.v_scales[i],
-                                              quant.code, row_start, q_lens, ctx_lens, block_tables, o, s.scale);
+                                              quant.code, row_start, q_lens, ctx_lens, block_tables, o, spec.scale,
+                                              spec.window, spec.softcap);
     } else {
-      layer_ops::write_rows(k_caches[i], slot_mapping, q_k[1]);
+      layer_ops::write_rows(k_caches[i], slot_mapping, k);
       layer_ops::write_rows(v_caches[i], slot_mapping, v_rows);
       paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
-                                        block_tables, o, s.scale);
+                                        block_tables, o, spec.scale, spec.window, spec.softcap);
     }
-    std::tie(x, h) = layer_ops::add_rms_norm(x, linear(l.o, o.reshape({t, q_size}), s), l.post_norm, s.eps);
-    // LlamaMLP.forward
-    pending = linear(l.down, layer_ops::silu_mul(linear(l.gate_up, h, s)), s);
+    torch::Tensor attn = linear(l.o, o.reshape({t, q_size}), s);
+    if (l.post_attn_norm.defined()) attn = layer_ops::rms_norm(attn, l.post_attn_norm, s.eps);
+    std::tie(x, h) = layer_ops::add_rms_norm(x, attn, l.post_norm, s.eps);
+    // MLP.forward
+    const torch::Tensor gu = linear(l.gate_up, h, s);
+    pending = linear(l.down, spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
+                                                                     : layer_ops::silu_mul(gu), s);
+    if (l.post_mlp_norm.defined()) pending = layer_ops::rms_norm(pending, l.post_mlp_norm, s.eps);
   }
   if (pending.defined()) x = x + pending;
   keep_output_of(layers.size() - 1);

@@ -1,7 +1,7 @@
-// The decoder layer's elementwise work on fp32 CPU rows, one loop per op: RMSNorm, rotary
-// embedding, SiLU(gate) · up. ATen runs them as ~20 small kernels per layer (RMSNorm alone is a
+// The decoder layer's elementwise work on fp32 CPU rows, one loop per op: RMSNorm (of rows, or of
+// each head: qk-norm), rotary embedding, SiLU(gate) · up or GELU-tanh(gate) · up. ATen runs them as ~20 small kernels per layer (RMSNorm alone is a
 // 7-op composite on the CPU), ~2-3 µs of dispatch each, about a fifth of a batch-1 decode step.
-// Both the Python layers (inferd/layers, inferd/models/llama.py) and the fused decode step
+// Both the Python layers (inferd/layers, inferd/models/decoder.py) and the fused decode step
 // (decoder_layers.h) call these, so both paths give the same bits; each row is computed by the
 // same code whatever the row count or thread split (rows are the unit of parallel work), so a
 // sequence's numbers never depend on what shares its step.
@@ -80,6 +80,33 @@ inline torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor* 
 
 inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   return rms_norm_impl(x, nullptr, nullptr, w, eps);
+}
+
+// rms_norm over each head of x [T, H, D] (any row and head strides, D contiguous) with one weight
+// [D]: qk-norm on the q or k heads of a fused projection's output, without a copy first. Each
+// head is normalised by rms_norm's row code, so the bits are those of rms_norm on the heads as
+// rows. Returns [T, H, D] contiguous.
+inline torch::Tensor rms_norm_heads(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(2) == 1 &&
+                  x.size(2) == w.numel(),
+              "rms_norm_heads: fp32 CPU [T, H, D] with contiguous D and a [D] weight expected");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rms_norm_heads: fp32 weight");
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
+  auto y = torch::empty({t, h, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const float feps = static_cast<float>(eps), inv_d = 1.0f / static_cast<float>(d);
+  at::parallel_for(0, t * h, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + (r / h) * s0 + (r % h) * s1;
+      const float scale = 1.0f / std::sqrt(sum_squares(xr, d) * inv_d + feps);
+      float* yr = yp + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * scale * wp[i];
+    }
+  });
+  return y;
 }
 
 // (x + delta, rms_norm(x + delta)): a layer's residual add fused with the next norm.
@@ -259,11 +286,31 @@ inline __m256 silu8(__m256 g) {
   return _mm256_mul_ps(g, _mm256_div_ps(num, den));
 }
 
-// out [T, I] = silu(gu[:, :I]) · gu[:, I:] for the fused gate/up projection's output gu [T, 2I].
-inline torch::Tensor silu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: [T, 2I] expected");
+// x · sigmoid(z) for z = 2·sqrt(2/pi)·(x + 0.044715·x³): GELU's tanh form, 0.5·x·(1 + tanh(z/2)),
+// through the identity 0.5·(1 + tanh(u)) = sigmoid(2u), with silu8's overflow-free sigmoid.
+inline __m256 gelu_tanh8(__m256 x) {
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),  // 2 · sqrt(2 / pi)
+                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  const __m256 e = exp_nonpositive(_mm256_or_ps(z, _mm256_set1_ps(-0.0f)));  // exp(-|z|)
+  const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), e);
+  const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, neg);
+  return _mm256_mul_ps(x, _mm256_div_ps(num, den));
+}
+
+inline float gelu_tanh1(float x) {
+  const float z = 1.5957691216057308f * std::fma(0.044715f, x * x * x, x);
+  const float e = std::exp(-std::fabs(z));
+  return x * ((z < 0.0f ? e : 1.0f) / (1.0f + e));
+}
+
+// out [T, I] = act(gu[:, :I]) · gu[:, I:] for the fused gate/up projection's output gu [T, 2I].
+template <bool Gelu>
+inline torch::Tensor act_mul(const torch::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "act_mul: [T, 2I] expected");
   const int64_t t = gu.size(0), inter = gu.size(1) / 2;
-  check_rows(gu, 2 * inter, "silu_mul");
+  check_rows(gu, 2 * inter, "act_mul");
   auto out = torch::empty({t, inter}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -274,15 +321,26 @@ inline torch::Tensor silu_mul(const torch::Tensor& gu) {
       const float* u = g + inter;
       float* o = op + r * inter;
       int64_t i = 0;
-      for (; i + 8 <= inter; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 a = Gelu ? gelu_tanh8(_mm256_loadu_ps(g + i)) : silu8(_mm256_loadu_ps(g + i));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+      }
       for (; i < inter; ++i) {
-        const float e = std::exp(-std::fabs(g[i]));
-        o[i] = g[i] * ((g[i] < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+        if constexpr (Gelu) {
+          o[i] = gelu_tanh1(g[i]) * u[i];
+        } else {
+          const float e = std::exp(-std::fabs(g[i]));
+          o[i] = g[i] * ((g[i] < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+        }
       }
     }
   });
   return out;
 }
+
+inline torch::Tensor gelu_tanh_mul(const torch::Tensor& gu) { return act_mul<true>(gu); }
+
+// out [T, I] = silu(gu[:, :I]) · gu[:, I:] for the fused gate/up projection's output gu [T, 2I].
+inline torch::Tensor silu_mul(const torch::Tensor& gu) { return act_mul<false>(gu); }
 
 }  // namespace layer_ops

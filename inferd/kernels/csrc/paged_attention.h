@@ -6,6 +6,10 @@
 // once per task. Two passes (scores, then weighted V) with an exact softmax in fp32. A 2-byte cache
 // (fp16 / bf16) is widened to fp32 in registers as it is read; a quantized cache (int8 / fp8 codes
 // with a scale per slot and head) is decoded a row at a time.
+//
+// Per layer, a sliding window (a query at position p sees keys (p - window, p]; 0: no window) and
+// soft-capping of the scores (s -> cap * tanh(s / cap) before the softmax; 0: none). Splits wholly
+// before a sequence's first window are never read.
 #pragma once
 
 #include <torch/extension.h>
@@ -98,8 +102,9 @@ struct PlainRows {
   float scale(int64_t, int64_t) const { return 1.f; }
   void prefetch(int64_t slot, int64_t h) const { prefetch_bytes(ptr(slot, h), d * static_cast<int64_t>(sizeof(T))); }
 #ifdef __AVX512F__
-  void load_d64(int64_t slot, int64_t h, float*, __m512 out[4]) const {
-    const T* p = ptr(slot, h);
+  // Columns [col, col + 64) of the row, widened to fp32.
+  void load64(int64_t slot, int64_t h, int64_t col, float*, __m512 out[4]) const {
+    const T* p = ptr(slot, h) + col;
     for (int c = 0; c < 4; ++c) out[c] = load16(p + 16 * c);
   }
 #endif
@@ -114,9 +119,12 @@ struct CodeRows {
   const float* scales;  // [slots, hkv]
   int64_t hkv, d;
   const float* row(int64_t slot, int64_t h, float* buf) const {
-    const uint8_t* src = base + (slot * hkv + h) * d;
+    decode(base + (slot * hkv + h) * d, d, buf);
+    return buf;
+  }
+  static void decode(const uint8_t* src, int64_t n, float* buf) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       const uint32_t b = src[i];
       if constexpr (C == kInt8) {
         buf[i] = static_cast<float>(static_cast<int8_t>(src[i]));
@@ -130,14 +138,13 @@ struct CodeRows {
         buf[i] = f * (C == kE4M3 ? 0x1p120f : 0x1p112f);
       }
     }
-    return buf;
   }
   float scale(int64_t slot, int64_t h) const { return scales[slot * hkv + h]; }
   void prefetch(int64_t slot, int64_t h) const { prefetch_bytes(base + (slot * hkv + h) * d, d); }
 #ifdef __AVX512F__
-  void load_d64(int64_t slot, int64_t h, float* buf, __m512 out[4]) const {
-    const float* v = row(slot, h, buf);
-    for (int c = 0; c < 4; ++c) out[c] = _mm512_loadu_ps(v + 16 * c);
+  void load64(int64_t slot, int64_t h, int64_t col, float* buf, __m512 out[4]) const {
+    decode(base + (slot * hkv + h) * d + col, 64, buf);
+    for (int c = 0; c < 4; ++c) out[c] = _mm512_loadu_ps(buf + 16 * c);
   }
 #endif
 };
@@ -167,25 +174,15 @@ struct Slots {
 constexpr int64_t kSplitKeys = 256;
 
 #ifdef __AVX512F__
-// Head size 64 with up to 4 query heads per kv head (the default model: 3), AVX-512: a key is
-// loaded once for its G dots, and pass 2 keeps each query row's G sums in registers across the
-// keys instead of loading and storing them per key (the generic loops below cost ~180 cycles per
-// key and kv head at batch 1; these, ~60).
-constexpr bool kFastD64 = true;
+// Head sizes 64, 128 and 256 (any number of query heads per kv head), AVX-512: keys scored 16 at a
+// time against one query head with the 16 sums in registers, and pass 2 keeps up to 4 query
+// heads' sums of a 64-column slice in registers across the keys instead of loading and storing
+// them per key (the generic loops below cost ~180 cycles per key and kv head at batch 1 for the
+// default model's head size 64; these, ~60).
+constexpr bool kFastPath = true;
+constexpr int64_t kMaxFastD = 256;
 
-template <int G>
-inline void scores_d64(const float* q, const float* key, float s, float* out, int64_t out_stride) {
-  const __m512 k0 = _mm512_loadu_ps(key), k1 = _mm512_loadu_ps(key + 16);
-  const __m512 k2 = _mm512_loadu_ps(key + 32), k3 = _mm512_loadu_ps(key + 48);
-  for (int g = 0; g < G; ++g) {
-    const float* r = q + g * 64;
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(r), k0);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16), k1, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(r + 32), k2, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(r + 48), k3, a);
-    out[g * out_stride] = _mm512_reduce_add_ps(a) * s;
-  }
-}
+inline bool fast_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 // Lane t of the result: the sum of v[t]'s 16 lanes. Unpack-and-add within 128-bit lanes, then
 // across them: ~45 instructions for 16 sums, against ~8 per sum for _mm512_reduce_add_ps.
@@ -203,72 +200,95 @@ inline __m512 sum16x16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
 }
 
-// Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16.
-inline void scores16_d64(const float* q, const float* const key[16], const float* s, float* out) {
-  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-  const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+// Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16, each
+// lane's products summed in column order (the same bits for a key wherever it falls in a block).
+template <int D>
+inline void scores16(const float* q, const float* const key[16], const float* s, float* out) {
   __m512 acc[16];
-  for (int t = 0; t < 16; ++t) {
-    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(key[t]));
-    a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(key[t] + 16), a);
-    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(key[t] + 32), a);
-    acc[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(key[t] + 48), a);
+  for (int c = 0; c < D / 16; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    for (int t = 0; t < 16; ++t) {
+      const __m512 kc = _mm512_loadu_ps(key[t] + 16 * c);
+      acc[t] = c == 0 ? _mm512_mul_ps(qc, kc) : _mm512_fmadd_ps(qc, kc, acc[t]);
+    }
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(sum16x16(acc), _mm512_loadu_ps(s)));
 }
 
-// A key row as fp32 for scores16_d64: fp32 in place; fp16 / bf16 widened, int8 / fp8 decoded
-// into `buf` (once per key, not once per query head).
+// A key row as fp32 for scores16: fp32 in place; fp16 / bf16 widened, int8 / fp8 decoded into
+// `buf` (once per key, not once per query head).
 template <class Rows>
-inline const float* fp32_row(const Rows& rows, int64_t slot, int64_t h, float* buf) {
+inline const float* fp32_row(const Rows& rows, int64_t slot, int64_t h, int64_t d, float* buf) {
   if constexpr (!Rows::kInPlace) {
     return rows.row(slot, h, buf);
   } else if constexpr (std::is_same_v<typename Rows::elem, float>) {
     return rows.ptr(slot, h);
   } else {
     const auto* p = rows.ptr(slot, h);
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c));
+    for (int64_t c = 0; c < d / 16; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c));
     return buf;
   }
 }
 
-// o[g] = Σ_{j in [j0, jend)} p[g][j - j0] · scale_j · V_j for the G rows of one query.
+// o[g][col, col + 64) = Σ_{j in [ja, jend)} p[g][j - j0] · scale_j · V_j[col, col + 64) for G
+// query heads of one query (o rows d apart).
 template <int G, class Rows>
-inline void values_d64(const Rows& vals, const Slots& slot_of, int64_t h,
-                       int64_t j0, int64_t jend, const float* p, int64_t p_stride, float* o, float* buf) {
+inline void values64(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, int64_t ja, int64_t jend,
+                     int64_t col, const float* p, int64_t p_stride, float* o, int64_t d, float* buf) {
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = j0; j < jend; ++j) {
+  for (int64_t j = ja; j < jend; ++j) {
     const int64_t slot = slot_of(j);
-    if (const int64_t a = j + kPrefetchKeys; a < jend) vals.prefetch(slot_of(a), h);
+    if (const int64_t a = j + kPrefetchKeys; a < jend && col == 0) vals.prefetch(slot_of(a), h);
     const float vs = vals.scale(slot, h);
     __m512 vc[4];
-    vals.load_d64(slot, h, buf, vc);
+    vals.load64(slot, h, col, buf, vc);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(p[g * p_stride + j - j0] * vs);
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + g * 64 + 16 * c, acc[g][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + g * d + col + 16 * c, acc[g][c]);
+}
+
+// values64 for every 64-column slice and every query head of the group, 4 heads at a time.
+template <class Rows>
+inline void values_fast(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, int64_t ja, int64_t jend,
+                        int64_t group, const float* p, int64_t p_stride, float* o, int64_t d, float* buf) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* pg = p + g0 * p_stride;
+    float* og = o + g0 * d;
+    for (int64_t col = 0; col < d; col += 64) {
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: values64<1>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        case 2: values64<2>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        case 3: values64<3>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        default: values64<4>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+      }
+    }
+  }
 }
 #else
-constexpr bool kFastD64 = false;
+constexpr bool kFastPath = false;
+inline bool fast_head_dim(int64_t) { return false; }
 #endif
 
 // q, out: [T, Hq, D] (rows of the flat batch); K/V rows per slot and kv head (see above).
 // row_start, q_lens, ctx_lens: [B]; block_tables: [B, max_blocks]. Query i of sequence b is flat
-// row row_start[b] + i at position ctx_lens[b] - q_lens[b] + i and sees keys [0, that position].
+// row row_start[b] + i at position p = ctx_lens[b] - q_lens[b] + i and sees keys [0, p], or
+// (p - window, p] with a window (> 0); with softcap (> 0) its scores are soft-capped.
 template <class Rows>
 void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t hkv,
             int64_t block_size, const torch::Tensor& row_start, const torch::Tensor& q_lens,
             const torch::Tensor& ctx_lens, const torch::Tensor& block_tables, torch::Tensor& out,
-            double scale) {
+            double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
               "paged_attention: fp32 queries only");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention: contiguous tensors expected");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0");
   const int64_t hq = q.size(1), d = q.size(2);
   const int64_t group = hq / hkv;
   const int64_t num_seqs = row_start.size(0), max_blocks = block_tables.size(1);
@@ -279,22 +299,28 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? 1.f / cap : 0.f;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const bool fast = kFastD64 && d == 64 && group >= 1 && group <= 4;
+  const bool fast = kFastPath && fast_head_dim(d);
+  // Key positions [lo, ...) query position p sees.
+  const auto first_key = [window](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; };
 
-  // Tasks are (sequence, kv head, split); each (task, query row) owns a partial result: the
-  // unnormalised weighted sum of values, the max score and the sum of exp(score - max).
-  std::vector<int64_t> task_start(num_seqs + 1, 0), part_start(num_seqs + 1, 0);
+  // Tasks are (sequence, kv head, split) over the splits from the one holding the first query's
+  // first key; each (task, query row) owns a partial result: the unnormalised weighted sum of
+  // values, the max score and the sum of exp(score - max).
+  std::vector<int64_t> task_start(num_seqs + 1, 0), part_start(num_seqs + 1, 0), first_split(num_seqs);
+  bool any_split = false;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t splits = (cl[b] + kSplitKeys - 1) / kSplitKeys;
-    task_start[b + 1] = task_start[b] + hkv * splits;
-    part_start[b + 1] = part_start[b] + hkv * splits * ql[b] * group;
+    first_split[b] = first_key(cl[b] - ql[b]) / kSplitKeys;
+    const int64_t n_splits = splits - first_split[b];
+    any_split = any_split || n_splits > 1;
+    task_start[b + 1] = task_start[b] + hkv * n_splits;
+    part_start[b + 1] = part_start[b] + hkv * n_splits * ql[b] * group;
   }
   // (part_o uninitialised: pass 2 writes every row it owns before anything reads it.)
   std::unique_ptr<float[]> part_o(new float[part_start[num_seqs] * d]);
   std::vector<float> part_m(part_start[num_seqs]), part_l(part_start[num_seqs]);
-  bool any_split = false;
-  for (int64_t b = 0; b < num_seqs && !any_split; ++b) any_split = cl[b] > kSplitKeys;
 
   at::parallel_for(0, task_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -303,24 +329,32 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[b + 1]) ++b;
       const int64_t n_q = ql[b], ctx = cl[b], first_pos = ctx - n_q;
-      const int64_t splits = (ctx + kSplitKeys - 1) / kSplitKeys, local = task - task_start[b];
+      const int64_t splits = (ctx + kSplitKeys - 1) / kSplitKeys - first_split[b];
+      const int64_t local = task - task_start[b];
       const int64_t h = local / splits, c = local % splits;
-      const int64_t j0 = c * kSplitKeys, j1 = std::min(ctx, j0 + kSplitKeys), span = j1 - j0;
+      const int64_t j0 = (first_split[b] + c) * kSplitKeys, j1 = std::min(ctx, j0 + kSplitKeys);
+      const int64_t span = j1 - j0;
       const int64_t rows = n_q * group;  // (query i, head g) pairs, row r = i * group + g
       const int64_t part0 = part_start[b] + (h * splits + c) * rows;
+      // Queries [0, i_end(j)) can see key j (those from j - first_pos on are past it, and with a
+      // window those from j + window - first_pos on have left it behind).
+      const auto i_end = [&](int64_t j) {
+        return window > 0 ? std::min(n_q, std::max<int64_t>(0, j + window - first_pos)) : n_q;
+      };
+      const int64_t j_first = std::max(j0, first_key(first_pos));  // no query sees keys before
       scores.assign(rows * span, kNegInf);
       const Slots slot_of(bt + b * max_blocks, block_size);
       // Pass 1: scores for every (query, head) against every visible key of the split.
-      int64_t j = j0;
+      int64_t j = j_first;
 #ifdef __AVX512F__
-      // Head size 64 (any cache dtype): every key of the split 16 at a time, the last block padded
-      // with copies of the last key (their scores are dropped). Every lane of scores16_d64 sums in the
-      // same order, so a key's score has the same bits wherever it falls in a block: a query's
-      // output never depends on the context length's remainder or on other query rows (a decode
-      // and the same position inside a verification agree to the bit). A query scores the
-      // block's keys it cannot see too: the softmax and pass 2 stop at its last visible key.
+      // Fast head sizes (any cache dtype): every key of the split 16 at a time, the last block
+      // padded with copies of the last key (their scores are dropped). Every lane of scores16
+      // sums in the same order, so a key's score has the same bits wherever it falls in a block:
+      // a query's output never depends on the context length's remainder or on other query rows
+      // (a decode and the same position inside a verification agree to the bit). A query scores
+      // the block's keys it cannot see too: the softmax and pass 2 use its visible keys only.
       if (fast) {
-        alignas(64) float wide[16 * 64];  // the 16 keys in fp32, where the cache is not
+        alignas(64) float wide[16 * kMaxFastD];  // the 16 keys in fp32, where the cache is not
         alignas(64) float s16[16];  // each key's score multiplier: the softmax scale x its own
         for (; j < j1; j += 16) {
           const int64_t valid = std::min<int64_t>(16, j1 - j);
@@ -328,17 +362,23 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
           for (int t = 0; t < 16; ++t) {
             const int64_t jt = j + std::min<int64_t>(t, valid - 1), a = j + t + kPrefetchKeys;
             const int64_t slot = slot_of(jt);
-            key16[t] = fp32_row(keys, slot, h, wide + t * 64);
+            key16[t] = fp32_row(keys, slot, h, d, wide + t * d);
             s16[t] = fscale * keys.scale(slot, h);
             if (a < j1) keys.prefetch(slot_of(a), h);
           }
           alignas(64) float part[16];
-          for (int64_t i = std::max<int64_t>(0, j - first_pos); i < n_q; ++i) {
+          const int64_t i_stop = i_end(j + 15);
+          for (int64_t i = std::max<int64_t>(0, j - first_pos); i < i_stop; ++i) {
             const float* qrow = qp + ((rs[b] + i) * hq + h * group) * d;
             for (int64_t g = 0; g < group; ++g) {
-              float* out = scores.data() + (i * group + g) * span + j - j0;
-              scores16_d64(qrow + g * 64, key16, s16, valid == 16 ? out : part);
-              if (valid < 16) std::copy_n(part, valid, out);
+              float* dst = scores.data() + (i * group + g) * span + j - j0;
+              float* to = valid == 16 ? dst : part;
+              switch (d) {
+                case 64: scores16<64>(qrow + g * d, key16, s16, to); break;
+                case 128: scores16<128>(qrow + g * d, key16, s16, to); break;
+                default: scores16<256>(qrow + g * d, key16, s16, to); break;
+              }
+              if (valid < 16) std::copy_n(part, valid, dst);
             }
           }
         }
@@ -350,28 +390,21 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
         const float* key = keys.row(slot, h, buf.data());
         const float s = fscale * keys.scale(slot, h);
         const int64_t i0 = std::max<int64_t>(0, j - first_pos);  // first query that sees key j
-        for (int64_t i = i0; i < n_q; ++i) {
+        for (int64_t i = i0, ie = i_end(j); i < ie; ++i) {
           const float* qrow = qp + ((rs[b] + i) * hq + h * group) * d;
-          float* out = scores.data() + i * group * span + j - j0;
-#ifdef __AVX512F__
-          if (fast) {
-            switch (group) {
-              case 1: scores_d64<1>(qrow, key, s, out, span); break;
-              case 2: scores_d64<2>(qrow, key, s, out, span); break;
-              case 3: scores_d64<3>(qrow, key, s, out, span); break;
-              default: scores_d64<4>(qrow, key, s, out, span); break;
-            }
-            continue;
-          }
-#endif
-          for (int64_t g = 0; g < group; ++g) out[g * span] = dot(qrow + g * d, key, d) * s;
+          float* dst = scores.data() + i * group * span + j - j0;
+          for (int64_t g = 0; g < group; ++g) dst[g * span] = dot(qrow + g * d, key, d) * s;
         }
       }
-      // exp(score - max) per row over its visible keys of the split (none: max -inf, sum 0).
+      // exp(score - max) per row over its visible keys of the split, [lo, hi) (none: max -inf,
+      // sum 0), soft-capped first.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t visible = std::min(j1, first_pos + r / group + 1) - j0;
-        const auto [m, sum] = visible > 0 ? exp_shifted(scores.data() + r * span, visible)
-                                          : std::pair<float, float>{kNegInf, 0.f};
+        const int64_t pos = first_pos + r / group;
+        const int64_t lo = std::max(j0, first_key(pos)), hi = std::min(j1, pos + 1);
+        float* sr = scores.data() + r * span + lo - j0;
+        if (hi > lo && cap > 0.f)
+          for (int64_t k = 0; k < hi - lo; ++k) sr[k] = cap * std::tanh(sr[k] * inv_cap);
+        const auto [m, sum] = hi > lo ? exp_shifted(sr, hi - lo) : std::pair<float, float>{kNegInf, 0.f};
         part_m[part0 + r] = m;
         part_l[part0 + r] = sum;
       }
@@ -392,28 +425,24 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
 #ifdef __AVX512F__
       if (fast) {
         for (int64_t i = 0; i < n_q; ++i) {
-          const int64_t jend = std::min(j1, first_pos + i + 1);  // keys query i sees
-          const float* p = scores.data() + i * group * span;
-          float* oi = o + i * group * d;
-          switch (group) {
-            case 1: values_d64<1>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
-            case 2: values_d64<2>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
-            case 3: values_d64<3>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
-            default: values_d64<4>(vals, slot_of, h, j0, jend, p, span, oi, buf.data()); break;
-          }
+          const int64_t pos = first_pos + i;
+          const int64_t ja = std::max(j0, first_key(pos)), jend = std::min(j1, pos + 1);  // keys query i sees
+          values_fast(vals, slot_of, h, j0, ja, std::max(ja, jend), group, scores.data() + i * group * span, span,
+                      o + i * group * d, d, buf.data());
         }
         finish_single();
         continue;
       }
 #endif
       std::fill_n(o, rows * d, 0.f);
-      for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t j = j_first; j < j1; ++j) {
         const int64_t slot = slot_of(j);
         if (const int64_t a = j + kPrefetchKeys; a < j1) vals.prefetch(slot_of(a), h);
         const float* val = vals.row(slot, h, buf.data());
         const float vs = vals.scale(slot, h);
         const int64_t i0 = std::max<int64_t>(0, j - first_pos);
-        for (int64_t r = i0 * group; r < rows; ++r) axpy(o + r * d, val, scores[r * span + j - j0] * vs, d);
+        for (int64_t r = i0 * group, re = i_end(j) * group; r < re; ++r)
+          axpy(o + r * d, val, scores[r * span + j - j0] * vs, d);
       }
       finish_single();
     }
@@ -423,7 +452,7 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
   at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / hkv, h = task % hkv, n_q = ql[b], rows = n_q * group;
-      const int64_t splits = (cl[b] + kSplitKeys - 1) / kSplitKeys;
+      const int64_t splits = (cl[b] + kSplitKeys - 1) / kSplitKeys - first_split[b];
       if (splits == 1) continue;  // written by its task already
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / group, g = r % group;
@@ -435,6 +464,7 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
         for (int64_t c = 0; c < splits; ++c) {
           const int64_t part = part_start[b] + (h * splits + c) * rows + r;
           const float w = std::exp(part_m[part] - m);  // 0 for a split the row sees nothing of
+          if (w == 0.f) continue;  // (its partial sums may be of keys the row cannot see)
           sum += w * part_l[part];
           axpy(orow, part_o.get() + part * d, w, d);
         }
@@ -450,7 +480,8 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
 // k_cache, v_cache: [num_blocks, block_size, Hkv, D], fp32, fp16 or bf16 (both the same).
 void paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor row_start, torch::Tensor q_lens, torch::Tensor ctx_lens,
-                           torch::Tensor block_tables, torch::Tensor out, double scale) {
+                           torch::Tensor block_tables, torch::Tensor out, double scale, int64_t window = 0,
+                           double softcap = 0.0) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dtype &&
                   (dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16),
@@ -460,7 +491,8 @@ void paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const PlainRows<T> keys{k_cache.data_ptr<T>(), hkv, d}, vals{v_cache.data_ptr<T>(), hkv, d};
-    attend(q, keys, vals, hkv, k_cache.size(1), row_start, q_lens, ctx_lens, block_tables, out, scale);
+    attend(q, keys, vals, hkv, k_cache.size(1), row_start, q_lens, ctx_lens, block_tables, out, scale, window,
+           softcap);
   };
   if (dtype == torch::kFloat32) run(float{});
   else if (dtype == torch::kFloat16) run(c10::Half{});
@@ -472,7 +504,8 @@ void paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 void paged_attention_short_quant(torch::Tensor q, torch::Tensor k_data, torch::Tensor v_data,
                                  torch::Tensor k_scale, torch::Tensor v_scale, int64_t code,
                                  torch::Tensor row_start, torch::Tensor q_lens, torch::Tensor ctx_lens,
-                                 torch::Tensor block_tables, torch::Tensor out, double scale) {
+                                 torch::Tensor block_tables, torch::Tensor out, double scale,
+                                 int64_t window = 0, double softcap = 0.0) {
   TORCH_CHECK(k_data.scalar_type() == torch::kUInt8 && v_data.scalar_type() == torch::kUInt8 &&
                   k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32,
               "paged_attention_short_quant: uint8 codes and fp32 scales expected");
@@ -483,7 +516,7 @@ void paged_attention_short_quant(torch::Tensor q, torch::Tensor k_data, torch::T
     using Rows = decltype(rows_tag);
     const Rows keys{k_data.data_ptr<uint8_t>(), k_scale.data_ptr<float>(), hkv, d};
     const Rows vals{v_data.data_ptr<uint8_t>(), v_scale.data_ptr<float>(), hkv, d};
-    attend(q, keys, vals, hkv, bs, row_start, q_lens, ctx_lens, block_tables, out, scale);
+    attend(q, keys, vals, hkv, bs, row_start, q_lens, ctx_lens, block_tables, out, scale, window, softcap);
   };
   switch (code) {
     case kInt8: run(CodeRows<kInt8>{}); break;

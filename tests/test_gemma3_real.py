@@ -1,0 +1,103 @@
+"""Gemma 3 270M (Q4_K_M GGUF from PyPI, inferd/loader/gemma3_model.py): inferd's greedy tokens equal
+HF transformers' loading the same GGUF (`--quantization none`: both dequantize to fp32), for
+short prompts and one longer than the local layers' 512-token window, batched, in 128-token
+chunks, and again from the prefix cache.
+
+The prompts go in as token ids from transformers' tokenizer of the file: the engine's own GGUF
+tokenizer for SentencePiece (`llama`) vocabularies is not part of this test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from inferd import LLM, SamplingParams
+from inferd.loader import load_model
+from inferd.loader.gemma3_model import gemma3_model_path
+from inferd.loader.tokenizer import Tokenizer
+from inferd.models import model_spec
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 48
+CLEAR_MARGIN = 1e-3  # top-2 logit gap below which fp32 rounding order may flip a token
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+_PARAGRAPH = (
+    "The river rose through the night and by morning the lower streets of the town were under "
+    "water. Boats moved between the houses, carrying bread, blankets and the old. "
+)
+
+
+@functools.cache
+def _hf():
+    path = gemma3_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    tok, _ = _hf()
+    ids = [tok.encode(p) for p in PROMPTS]
+    long = tok.encode(_PARAGRAPH * 20 + "What happened to the town?")
+    assert len(long) > 600, "the long prompt must pass the local layers' 512-token window"
+    return [*ids, long]
+
+
+@pytest.fixture(scope="module")
+def reference(prompt_ids) -> list[tuple[list[int], int]]:
+    """transformers' greedy tokens, and how many of them lie before a near-tie."""
+    _, model = _hf()
+    out = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            r = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        margins = [float(v[0] - v[1]) for v in (l[0].topk(2).values for l in r.logits)]
+        clear = next((k for k, m in enumerate(margins) if m < CLEAR_MARGIN), NEW_TOKENS)
+        out.append((r.sequences[0, len(ids) :].tolist(), clear))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    loaded = load_model(
+        gemma3_model_path(), quantization="none", with_tokenizer=False, verbose=False
+    )
+    tok, _ = _hf()
+    loaded.tokenizer = Tokenizer(tok.backend_tokenizer, bos_token_id=2, eos_token_ids=(1,),
+                                 add_bos_token=False, chat_template=None)  # fmt: skip
+    return loaded
+
+
+def test_spec_of_the_real_file(loaded):
+    spec = model_spec(loaded.config)
+    assert spec.summary() == "18 layers: 15 local window 512, 3 global"
+    assert [i for i, layer in enumerate(spec.layers) if not layer.is_local] == [5, 11, 17]
+    assert [r.theta for r in spec.ropes()] == [10000.0, 1_000_000.0]
+    assert loaded.config.head_dim == 256 and loaded.config.vocab_size == 262144
+
+
+def test_greedy_matches_transformers(loaded, prompt_ids, reference):
+    llm = LLM(loaded=loaded, quantization="none", verbose=False, kv_cache_memory=64 << 20,
+              max_num_batched_tokens=128, enable_prefix_caching=True)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": i} for i in prompt_ids], params, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": prompt_ids[-1]}], params, use_tqdm=False)
+    assert llm.engine.stats.prefix_cache_hits_total > 0
+    for i, (o, (want, clear)) in enumerate(zip([*outs, *again], [*reference, reference[-1]])):
+        assert clear >= NEW_TOKENS // 2, f"prompt {i}: the reference's logits tie at {clear}"
+        assert o.outputs[0].token_ids[:clear] == want[:clear], f"prompt {i}"
+    llm.engine.check_no_leaks()

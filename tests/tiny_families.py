@@ -1,0 +1,308 @@
+"""Tiny random models of every supported family, written by transformers' own model classes
+(`save_pretrained`, fp32) and the same weights as GGUF files the way llama.cpp's
+convert_hf_to_gguf.py writes them (its tensor names and metadata per architecture, Q/K rows
+permuted for Llama-style rope, Gemma norms stored as w + 1, Phi-3's fused tensors as they come).
+
+Nothing here imports the engine: the names and conventions come from llama.cpp and HF, so a
+loader bug cannot cancel itself out. The HF model written is also the parity reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tiny_models import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    add_gguf_tokenizer,
+    build_tokenizer,
+    llama_cpp_permute,
+    write_tokenizer_files,
+)
+
+WINDOW = 8  # the windowed families' sliding window: prompts are several times longer
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny model of one family: transformers' config class and kwargs, and its GGUF side."""
+
+    arch: str  # inferd's and llama.cpp's architecture name (Mistral: "llama" in GGUF)
+    hf_class: str  # transformers' CausalLM class
+    config_class: str
+    config: dict[str, Any] = field(default_factory=dict)
+    gguf_arch: str | None = None  # where it differs from `arch`
+
+    @property
+    def head_dim(self) -> int:
+        c = self.config
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+_BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
+FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", "LlamaConfig", {**_BASE, "head_dim": 16}),
+    "mistral": Family(
+        "mistral",
+        "MistralForCausalLM",
+        "MistralConfig",
+        {**_BASE, "head_dim": 16, "sliding_window": WINDOW},
+        gguf_arch="llama",
+    ),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", {**_BASE}),
+    # head size 128 (the kernels' fast path); every layer local (llama.cpp states one window).
+    "qwen3": Family(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        {
+            **_BASE,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 128,
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 0,
+        },
+    ),
+    # Soft-capping tight enough to bite on these logits; layer 0 local, layer 1 global.
+    "gemma2": Family(
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        {
+            **_BASE,
+            "head_dim": 64,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 64,
+            "attn_logit_softcapping": 4.0,
+            "final_logit_softcapping": 8.0,
+        },
+    ),
+    # Head size 256 with one kv head (Gemma 3 270M's shape); layers 0-4 local, 5 global.
+    "gemma3": Family(
+        "gemma3",
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {
+            **_BASE,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 256,
+        },
+    ),
+    # LongRoPE whose short factors apply (contexts up to the original 128 positions).
+    "phi3": Family(
+        "phi3",
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        {
+            **_BASE,
+            "sliding_window": WINDOW + 4,
+            "original_max_position_embeddings": 128,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                "long_factor": [3.0 + 0.5 * i for i in range(8)],
+            },
+        },
+    ),
+}
+
+
+@dataclass
+class TinyFamilyModel:
+    family: Family
+    hf_dir: Path
+    gguf_path: Path
+    model: torch.nn.Module  # the transformers model (fp32, eval): the parity reference
+    vocab_size: int
+
+
+def _randomize(model: torch.nn.Module, family: Family, seed: int) -> None:
+    """Weights whose logits spread widely (no near-ties for greedy): unit-variance embeddings,
+    projections scaled by 1/sqrt(fan_in), norms near their identity (Gemma's (1 + w): w near 0)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = family.arch.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                base = 0.0 if gemma else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+
+
+def build_hf(family: Family, directory: Path, seed: int = 0) -> tuple[torch.nn.Module, int]:
+    import transformers
+
+    tok = build_tokenizer("qwen2" if family.arch.startswith("qwen") else "llama-bpe")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    bos, eos = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    pad = tok.token_to_id(SPECIAL_TOKENS[0])
+    config = getattr(transformers, family.config_class)(
+        vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, **family.config
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.hf_class)(config).float().eval()
+    _randomize(model, family, seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer_files(directory, tok, family.config["max_position_embeddings"])
+    return model, vocab
+
+
+# ---- GGUF: llama.cpp's names per architecture --------------------------------------------------
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_tensor_name(hf_name: str, arch: str) -> str:
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in glob:
+        return glob[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    table = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+    return f"blk.{layer}.{table[module]}.{kind}"
+
+
+def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> None:
+    """The HF model's weights and config as convert_hf_to_gguf.py writes them (F32)."""
+    cfg = model.config
+    arch = family.gguf_arch or family.arch
+    tok = build_tokenizer("qwen2" if family.arch.startswith("qwen") else "llama-bpe")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{family.arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    rope = cfg.rope_parameters
+    full = rope.get("full_attention", rope)
+    w.add_rope_freq_base(full["rope_theta"])
+    if family.arch.startswith("gemma"):
+        w.add_key_length(family.head_dim)
+        w.add_value_length(family.head_dim)
+    else:
+        w.add_rope_dimension_count(family.head_dim)
+        if family.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+            w.add_key_length(family.head_dim)
+            w.add_value_length(family.head_dim)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    if family.arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    if family.arch == "phi3":
+        original = cfg.rope_parameters["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        factor = cfg.max_position_embeddings / original
+        w.add_float32(
+            f"{arch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor(
+            "rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32)
+        )
+    add_gguf_tokenizer(w, tok, "qwen2" if family.arch.startswith("qwen") else "llama-bpe")
+    for name, arr in tensors.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            arr = llama_cpp_permute(arr, heads)
+        if family.arch.startswith("gemma") and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)  # convert_hf_to_gguf.py's norm_shift
+        w.add_tensor(gguf_tensor_name(name, family.arch), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_family(name: str, root: Path, seed: int = 0) -> TinyFamilyModel:
+    family = FAMILIES[name]
+    hf_dir = root / f"{name}-hf"
+    model, vocab = build_hf(family, hf_dir, seed)
+    path = root / f"{name}.gguf"
+    write_family_gguf(family, model, path)
+    return TinyFamilyModel(family, hf_dir, path, model, vocab)
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int], new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and, per step, the top-2 logit margin."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    margins = []
+    for logits in out.logits:
+        top = logits[0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return out.sequences[0, len(prompt) :].tolist(), margins
