@@ -103,7 +103,9 @@ def decode_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict
     t = TYPES[type_name]
     n, k = shape
     if k % t.group:
-        raise ValueError(f"{type_name} rows hold blocks of {t.group} weights; K = {k} is not a multiple")
+        raise ValueError(
+            f"{type_name} rows hold blocks of {t.group} weights; K = {k} is not a multiple"
+        )
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // t.group, t.gguf_bytes)
     out: dict[str, np.ndarray] = {}
     if t.name in ("Q5_0", "Q5_1"):
@@ -116,14 +118,18 @@ def decode_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict
     elif t.name in ("Q4_K", "Q5_K"):
         out["d"], out["m"] = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
         out["sc"], out["mn"] = _k_scale_min(blocks[..., 4:16])
-        qs = blocks[..., -128:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c+1
+        qs = blocks[..., -128:].reshape(
+            n, -1, 4, 32
+        )  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c+1
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32)
         if t.name == "Q5_K":  # bit j of byte l: sub-block j, weight l
             qh = blocks[..., 16:48]
             q = q | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
     else:  # Q6_K: ql 128, qh 64, scales 16 (int8), d
         ql = blocks[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
-        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array(
+            [0, 2, 4, 6], np.uint8
+        ).reshape(4, 1)
         q = (ql & 0x0F).reshape(n, -1, 2, 4, 32) | ((qh & 0x03) << 4)
         out["sc"] = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, -1)
         out["d"] = _halves(blocks[..., 208:210])
@@ -139,7 +145,10 @@ def _row_data(t: BlockType, q: np.ndarray, sub: list[np.ndarray]) -> np.ndarray:
     blocks = q.reshape(n, k // 32, 32)
     parts = [((blocks[..., :16] & 0x0F) | ((blocks[..., 16:] & 0x0F) << 4)).reshape(n, -1)]
     if t.planes:
-        planes = [np.packbits((blocks >> (4 + p)) & 1, axis=-1, bitorder="little") for p in range(t.planes)]
+        planes = [
+            np.packbits((blocks >> (4 + p)) & 1, axis=-1, bitorder="little")
+            for p in range(t.planes)
+        ]
         parts.append(np.stack(planes, axis=2).reshape(n, -1))  # [N, blocks, planes, 4]
     parts += [s.view(np.uint8).reshape(n, -1) for s in sub]
     return np.ascontiguousarray(np.concatenate(parts, axis=1))
@@ -172,7 +181,7 @@ class Parts:
 
 def _unpack_rows(w: QuantizedWeight, rows: torch.Tensor | None) -> Parts:
     t = BY_FORMAT[w.format]
-    n, k = w.shape
+    k = w.shape[1]
     if w.layout == "tiles":
         w = tiles_to_rows(w)
     data, scales, mins = w.data, w.scales, w.mins
@@ -242,7 +251,9 @@ def pack_tiles(w: QuantizedWeight) -> QuantizedWeight:
     regs = [((q[:, :, :4] & 0x0F) | ((q[:, :, 4:] & 0x0F) << 4)).reshape(nt, nb, 256)]
     for plane in range(t.planes):
         bits = ((q >> (4 + plane)) & 1).reshape(nt, nb, 8, 64).numpy()
-        regs.append(torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little")).reshape(nt, nb, 64))
+        regs.append(
+            torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little")).reshape(nt, nb, 64)
+        )
     parts = [torch.cat(regs, dim=2).reshape(nt, -1)]
     if t.sub:
         sub = w.data[:, -(k // 16) :]
