@@ -254,15 +254,15 @@ def pack_tiles(w: QuantizedWeight) -> QuantizedWeight:
         regs.append(
             torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little")).reshape(nt, nb, 64)
         )
-    parts = [torch.cat(regs, dim=2).reshape(nt, -1)]
-    if t.sub:
+    regs = torch.cat(regs, dim=2)  # [tile, block, (4 + planes) · 64]
+    if t.sub:  # per super-block: its 8 blocks' sub-block scales, then their registers
         sub = w.data[:, -(k // 16) :]
         if t.sub == 1:  # sc [N, nb] then m [N, nb] → per block: 16 sc, 16 m
             sub = sub.reshape(nt, 16, 2, nb).permute(0, 3, 2, 1)
         else:  # sc [N, 2 nb] → per block: 16 of the first half, 16 of the second
             sub = sub.reshape(nt, 16, nb, 2).permute(0, 2, 3, 1)
-        parts.append(sub.reshape(nt, -1))
-    data = torch.cat(parts, dim=1).contiguous()
+        regs = torch.cat([sub.reshape(nt, nb // 8, 256), regs.reshape(nt, nb // 8, -1)], dim=2)
+    data = regs.reshape(nt, -1).contiguous()
 
     def tile_table(v: torch.Tensor | None) -> torch.Tensor | None:
         return None if v is None else v.reshape(nt, 16, -1).permute(0, 2, 1).contiguous()
@@ -278,9 +278,9 @@ def tiles_to_rows(w: QuantizedWeight) -> QuantizedWeight:
     t = BY_FORMAT[w.format]
     n, k = w.shape
     nt, nb = n // 16, k // 32
-    regs_bytes = nb * 64 * (4 + t.planes)
-    data = w.data.reshape(nt, -1)
-    regs = data[:, :regs_bytes].reshape(nt, nb, 4 + t.planes, 64)
+    data = w.data.reshape(nt, nb // 8, -1) if t.sub else w.data.reshape(nt, 1, -1)
+    sub_bytes = 256 if t.sub else 0  # per super-block: 8 blocks' sub-block scales, then registers
+    regs = data[:, :, sub_bytes:].reshape(nt, nb, 4 + t.planes, 64)
     nib = regs[:, :, :4].reshape(nt, nb, 4, 16, 4)
     q = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [tile, block, register, lane, byte]
     for plane in range(t.planes):
@@ -290,7 +290,7 @@ def tiles_to_rows(w: QuantizedWeight) -> QuantizedWeight:
     q = q.permute(0, 3, 1, 2, 4).reshape(n, k).numpy()
     sub: list[np.ndarray] = []
     if t.sub:
-        s = data[:, regs_bytes:].reshape(nt, nb, 2, 16)
+        s = data[:, :, :sub_bytes].reshape(nt, nb, 2, 16)
         if t.sub == 1:  # → sc [N, nb], m [N, nb]
             s = s.permute(0, 3, 2, 1).reshape(n, 2 * nb)
         else:  # → sc [N, 2 nb]

@@ -273,13 +273,15 @@ void rows_gemv(const RowWeight& w, const int8dot::QuantizedRows& x, float* y, in
 
 // ---- int8 activations on packed tiles (AVX512-VNNI) ---------------------------------------------
 // The tiles layout (gguf_blocks.py `pack_tiles`): outputs in tiles of 16, one per 32-bit lane, as
-// int8_dot.h's int4 tiles. Tile t is tile_bytes = nb · 64 · (4 + P) (+ nb · 32 for K types) bytes:
-//   for each block b, 4 + P registers of 64 bytes:
+// int8_dot.h's int4 tiles. Tile t is tile_bytes = nb · 64 · (4 + P) (+ nb · 32 for K types) bytes,
+// in the order the kernel reads them (one stream, which the prefetch runs through into the next tile):
+//   K types: for each super-block, first its 8 blocks' sub-block scales, 32 bytes a block (Q4_K/Q5_K
+//   16 sc then 16 m, uint8, one per lane; Q6_K 16 sc of the block's first half then 16 of its second,
+//   int8), then its blocks' registers; other types: the blocks' registers. Block b's 4 + P registers
+//   of 64 bytes:
 //     registers 0..3: byte (lane j, e) of register k holds q_{4k+e} & 15 low and q_{16+4k+e} & 15 high
 //                     of output 16t + j
 //     register 4 + p: 8 uint64 masks; mask k, bit 4j + e = bit 4 + p of q_{4k+e} (k = 0..7) of lane j
-//   then, K types only, 32 bytes per block: Q4_K/Q5_K 16 sc then 16 m (uint8, one per lane); Q6_K 16
-//   sc of the block's first half then 16 of its second (int8)
 // scales / mins fp16 [tiles, K / group, 16].
 #ifdef INT8DOT_ZMM
 struct Tiles {
@@ -298,26 +300,33 @@ inline __m512 tile_halves(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Per-row integer sums of the activations over each 16 weights (Q6_K's offset): [M, K / 16].
-inline std::vector<int32_t> sums16(const int8dot::QuantizedRows& x) {
+// The integer offsets the unsigned codes need, per activation row: Q5_0 -16 · Σ xq per block [M, nb];
+// Q6_K -32 · Σ xq per 16 weights [M, 2 nb]; none for the others. Ready to broadcast.
+inline std::vector<int32_t> code_offsets(int64_t type, const int8dot::QuantizedRows& x) {
+  if (type == kQ5_0) {
+    std::vector<int32_t> out(x.qs.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = -16 * x.qs[i];
+    return out;
+  }
+  if (type != kQ6_K) return {};
   std::vector<int32_t> out(x.M * (x.K / 16));
   for (int64_t i = 0; i < x.M * (x.K / 16); ++i) {
     const int8_t* q = x.q.data() + i * 16;
     int32_t s = 0;
     for (int k = 0; k < 16; ++k) s += q[k];
-    out[i] = s;
+    out[i] = -32 * s;
   }
   return out;
 }
 
 template <int T, int MR>
-inline void tile_rows(const Tiles& p, int64_t t, const int8dot::QuantizedRows& x, const int32_t* xs16,
+inline void tile_rows(const Tiles& p, int64_t t, const int8dot::QuantizedRows& x, const int32_t* offs,
                       int64_t m0, __m512 acc[]) {
   constexpr int P = Traits<T>::kPlanes, R = 4 + P;
   const int64_t nb = p.nb, K = x.K;
   const uint8_t* base = p.data + t * p.tile_bytes;
-  const __m512i* W = reinterpret_cast<const __m512i*>(base);
-  const uint8_t* sub = base + nb * R * 64;
+  // K types: super-block chunks of 8 · 32 sub-scale bytes, then 8 blocks' registers.
+  constexpr int64_t kSubBytes = Traits<T>::kSub ? 256 : 0, kChunk = 8 * R * 64 + kSubBytes;
   const int32_t* xq[MR];
   for (int i = 0; i < MR; ++i) {
     xq[i] = reinterpret_cast<const int32_t*>(x.q.data() + (m0 + i) * K);
@@ -325,15 +334,20 @@ inline void tile_rows(const Tiles& p, int64_t t, const int8dot::QuantizedRows& x
   }
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512i* Wb = W + b * R;
-    if (p.stream)
-      for (int l = 0; l < R; ++l) stream_prefetch::line(reinterpret_cast<const char*>(Wb + l) + kTilePrefetchBytes);
+    const uint8_t* chunk = base + (b / 8) * kChunk;
+    const uint8_t* sub = chunk;  // this block's 32 bytes at sub + (b % 8) · 32
+    const __m512i* Wb = reinterpret_cast<const __m512i*>(chunk + kSubBytes + (b % 8) * R * 64);
+    if (p.stream) {  // the bytes this block starts on (its chunk's sub-scales with its first), ahead
+      const char* at = reinterpret_cast<const char*>(b % 8 ? static_cast<const void*>(Wb) : chunk) + kTilePrefetchBytes;
+      const int lines = R + (b % 8 ? 0 : static_cast<int>(kSubBytes / 64));
+      for (int l = 0; l < lines; ++l) stream_prefetch::line(at + 64 * l);
+    }
     // The block's 16 weight scales (and mins), fp32.
     const int64_t g = t * p.groups + b / Traits<T>::kGroupBlocks;
     __m512 s = tile_halves(p.scales + g * 16), mn = _mm512_setzero_ps();
     __m512i sc_lo, sc_hi;
     if constexpr (Traits<T>::kSub == 1) {
-      const __m128i* sb = reinterpret_cast<const __m128i*>(sub + b * 32);
+      const __m128i* sb = reinterpret_cast<const __m128i*>(sub + (b % 8) * 32);
       s = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sb))));
       mn = _mm512_sub_ps(_mm512_setzero_ps(),
                          _mm512_mul_ps(tile_halves(p.mins + g * 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sb + 1)))));
@@ -341,35 +355,45 @@ inline void tile_rows(const Tiles& p, int64_t t, const int8dot::QuantizedRows& x
       mn = tile_halves(p.mins + g * 16);
     }
     if constexpr (Traits<T>::kSub == 2) {
-      const __m128i* sb = reinterpret_cast<const __m128i*>(sub + b * 32);
+      const __m128i* sb = reinterpret_cast<const __m128i*>(sub + (b % 8) * 32);
       sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(sb));
       sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(sb + 1));
     }
-    __m512i lo[MR], hi[MR];  // Q6_K: the block's halves apart; else all in lo
+    // Each row's block dot in NC independent chains (a chain of 8 dependent vpdpbusd would bound a
+    // few-row call by their latency): chain c takes registers k with chain_of(k) == c; halves (k < 4,
+    // k >= 4) never share a chain, for Q6_K's scales. Integer sums: the chains' split changes no bit.
+    constexpr int NC = MR <= 2 ? 4 : (MR <= 4 || T == kQ6_K) ? 2 : 1;
+    constexpr auto chain_of = [](int k) { return NC == 1 ? 0 : NC == 2 ? (k >> 2) : ((k >> 2) << 1 | (k & 1)); };
+    __m512i part[MR][NC];
     for (int i = 0; i < MR; ++i) {
       const int64_t row = m0 + i;
-      if constexpr (T == kQ5_0) lo[i] = _mm512_set1_epi32(-16 * x.qs[row * nb + b]);
-      else if constexpr (T == kQ6_K) {
-        lo[i] = _mm512_set1_epi32(-32 * xs16[row * 2 * nb + 2 * b]);
-        hi[i] = _mm512_set1_epi32(-32 * xs16[row * 2 * nb + 2 * b + 1]);
-      } else lo[i] = _mm512_setzero_si512();
+      for (int c = 0; c < NC; ++c) part[i][c] = _mm512_setzero_si512();
+      if constexpr (T == kQ5_0) part[i][0] = _mm512_set1_epi32(offs[row * nb + b]);
+      if constexpr (T == kQ6_K) {
+        part[i][0] = _mm512_set1_epi32(offs[(row * nb + b) * 2]);
+        part[i][chain_of(4)] = _mm512_set1_epi32(offs[(row * nb + b) * 2 + 1]);
+      }
     }
     const uint64_t* masks = reinterpret_cast<const uint64_t*>(Wb + 4);  // [P][8]
+    // Unrolled whole, so that part[][] lives in registers.
+#pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
       __m512i w = k < 4 ? _mm512_and_si512(_mm512_loadu_si512(Wb + k), low4)
                         : _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(Wb + k - 4), 4), low4);
       for (int pl = 0; pl < P; ++pl)
         w = _mm512_mask_add_epi8(w, _cvtu64_mask64(masks[pl * 8 + k]), w, _mm512_set1_epi8(static_cast<char>(16 << pl)));
-      for (int i = 0; i < MR; ++i) {
-        const __m512i xv = _mm512_set1_epi32(xq[i][b * 8 + k]);
-        if (T == kQ6_K && k >= 4) hi[i] = _mm512_dpbusd_epi32(hi[i], w, xv);
-        else lo[i] = _mm512_dpbusd_epi32(lo[i], w, xv);
-      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+        part[i][chain_of(k)] = _mm512_dpbusd_epi32(part[i][chain_of(k)], w, _mm512_set1_epi32(xq[i][b * 8 + k]));
     }
     for (int i = 0; i < MR; ++i) {
       const int64_t row = m0 + i;
-      __m512i dot = lo[i];
-      if constexpr (T == kQ6_K) dot = _mm512_add_epi32(_mm512_mullo_epi32(lo[i], sc_lo), _mm512_mullo_epi32(hi[i], sc_hi));
+      __m512i lo = part[i][0], hi = _mm512_setzero_si512();
+      for (int c = 1; c < NC; ++c)
+        if (c < chain_of(4) || NC == 1) lo = _mm512_add_epi32(lo, part[i][c]);
+        else hi = _mm512_add_epi32(hi, part[i][c]);
+      __m512i dot = T == kQ6_K ? _mm512_add_epi32(_mm512_mullo_epi32(lo, sc_lo), _mm512_mullo_epi32(hi, sc_hi))
+                               : _mm512_add_epi32(lo, hi);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(x.d[row * nb + b])), acc[i]);
       if constexpr (Traits<T>::kMins) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.s[row * nb + b]), acc[i]);
     }
@@ -377,7 +401,7 @@ inline void tile_rows(const Tiles& p, int64_t t, const int8dot::QuantizedRows& x
 }
 
 template <int T>
-void tiles_gemm(const Tiles& p, const int8dot::QuantizedRows& x, const int32_t* xs16, float* y, int64_t N,
+void tiles_gemm(const Tiles& p, const int8dot::QuantizedRows& x, const int32_t* offs, float* y, int64_t N,
                 int64_t t0, int64_t t1) {
   const int64_t M = x.M;
   for (int64_t t = t0; t < t1; ++t)
@@ -385,14 +409,14 @@ void tiles_gemm(const Tiles& p, const int8dot::QuantizedRows& x, const int32_t* 
       const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       __m512 acc[kTileRows];
       switch (mr) {
-        case 8: tile_rows<T, 8>(p, t, x, xs16, m0, acc); break;
-        case 7: tile_rows<T, 7>(p, t, x, xs16, m0, acc); break;
-        case 6: tile_rows<T, 6>(p, t, x, xs16, m0, acc); break;
-        case 5: tile_rows<T, 5>(p, t, x, xs16, m0, acc); break;
-        case 4: tile_rows<T, 4>(p, t, x, xs16, m0, acc); break;
-        case 3: tile_rows<T, 3>(p, t, x, xs16, m0, acc); break;
-        case 2: tile_rows<T, 2>(p, t, x, xs16, m0, acc); break;
-        default: tile_rows<T, 1>(p, t, x, xs16, m0, acc); break;
+        case 8: tile_rows<T, 8>(p, t, x, offs, m0, acc); break;
+        case 7: tile_rows<T, 7>(p, t, x, offs, m0, acc); break;
+        case 6: tile_rows<T, 6>(p, t, x, offs, m0, acc); break;
+        case 5: tile_rows<T, 5>(p, t, x, offs, m0, acc); break;
+        case 4: tile_rows<T, 4>(p, t, x, offs, m0, acc); break;
+        case 3: tile_rows<T, 3>(p, t, x, offs, m0, acc); break;
+        case 2: tile_rows<T, 2>(p, t, x, offs, m0, acc); break;
+        default: tile_rows<T, 1>(p, t, x, offs, m0, acc); break;
       }
       for (int i = 0; i < mr; ++i) _mm512_storeu_ps(y + (m0 + i) * N + t * 16, acc[i]);
     }
@@ -488,14 +512,14 @@ inline torch::Tensor tiles_linear(torch::Tensor x, torch::Tensor data, torch::Te
   if (x.size(0) == 0) return y;
 #ifdef INT8DOT_ZMM
   const int8dot::QuantizedRows qx = quant_gemm::quantize_x(x);
-  const std::vector<int32_t> xs16 = type == kQ6_K ? sums16(qx) : std::vector<int32_t>();
+  const std::vector<int32_t> offs = code_offsets(type, qx);
   const Tiles p{data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                 has_mins(type) ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
                 tiles, K / 32, tile_bytes(type, K), K / group, stream};
   float* yp = y.data_ptr<float>();
   dispatch(type, [&](auto T) {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      tiles_gemm<decltype(T)::value>(p, qx, xs16.data(), yp, N, t0, t1);
+      tiles_gemm<decltype(T)::value>(p, qx, offs.data(), yp, N, t0, t1);
     });
     return 0;
   });
