@@ -144,12 +144,10 @@ def _row_data(t: BlockType, q: np.ndarray, sub: list[np.ndarray]) -> np.ndarray:
     n, k = q.shape
     blocks = q.reshape(n, k // 32, 32)
     parts = [((blocks[..., :16] & 0x0F) | ((blocks[..., 16:] & 0x0F) << 4)).reshape(n, -1)]
-    if t.planes:
-        planes = [
-            np.packbits((blocks >> (4 + p)) & 1, axis=-1, bitorder="little")
-            for p in range(t.planes)
-        ]
-        parts.append(np.stack(planes, axis=2).reshape(n, -1))  # [N, blocks, planes, 4]
+    if t.planes:  # h = q >> 4: byte e of a block's 4P bytes holds h[4P·j + e] at bits [P·j, P·j + P)
+        h = (blocks >> 4).reshape(n, k // 32, 8 // t.planes, 4 * t.planes).astype(np.uint16)
+        shifts = (np.arange(8 // t.planes, dtype=np.uint16) * t.planes)[:, None]
+        parts.append((h << shifts).sum(axis=2).astype(np.uint8).reshape(n, -1))
     parts += [s.view(np.uint8).reshape(n, -1) for s in sub]
     return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
@@ -191,12 +189,11 @@ def _unpack_rows(w: QuantizedWeight, rows: torch.Tensor | None) -> Parts:
     r, nb = data.shape[0], k // 32
     nib = data[:, : k // 2].reshape(r, nb, 16)
     q = torch.cat([nib & 0x0F, nib >> 4], dim=2).to(torch.int32)
-    if t.planes:
-        hb = data[:, k // 2 : k // 2 + k // 8 * t.planes].reshape(r, nb, t.planes, 4)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        bits = ((hb.unsqueeze(-1) >> shifts) & 1).reshape(r, nb, t.planes, 32).to(torch.int32)
-        for p in range(t.planes):
-            q |= bits[:, :, p] << (4 + p)
+    if t.planes:  # the high bits: see _row_data
+        hb = data[:, k // 2 : k // 2 + k // 8 * t.planes].reshape(r, nb, 1, 4 * t.planes)
+        shifts = (torch.arange(8 // t.planes, dtype=torch.uint8) * t.planes)[:, None]
+        h = (hb >> shifts) & ((1 << t.planes) - 1)  # [R, blocks, 8 / P, 4P]
+        q |= h.reshape(r, nb, 32).to(torch.int32) << 4
     q = (q.reshape(r, k) - t.offset).float()
     sub = data[:, t.row_bytes(k) - (k // 16 if t.sub else 0) :]
 

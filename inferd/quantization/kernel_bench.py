@@ -2,10 +2,10 @@
 
     python -m inferd.quantization.kernel_bench [--n 2048] [--k 2048] [--rows 1,128] [--mib 256]
 
-Every format holds the same random [N, K] weight (GGUF types as random blocks, int4 / int8 as
-Q4_1 / Q8_0 blocks, fp32 as the dequantised weight), and each is timed as the engine runs it:
+Every format holds an [N, K] weight (GGUF types as random blocks, int4 / int8 as Q4_1 / Q8_0
+blocks of a random weight, fp32 as a random weight), and each is timed as the engine runs it:
 packed tiles with int8 activations where the CPU has AVX512-VNNI (`-q auto`'s default), else the
-row layout with fp32 activations; fp32 through `Linear`. Enough copies of each weight are cycled
+row layout with fp32 activations (`--avx2` runs the AVX2-only build here); fp32 through `Linear`. Enough copies of each weight are cycled
 that the calls stream `--mib` of weights from memory, as a decode step does, instead of reading
 one from cache. Prints weight GB/s per format and rows, ratios to fp32 and to int4 (Q4_1), and
 ends with one JSON line.
@@ -84,9 +84,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="formats alternate; each keeps its best round")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--types", default=",".join(GGUF_TYPES))
+    p.add_argument("--avx2", action="store_true",
+                   help="the AVX2-only build, as a CPU without AVX-512 runs it (no tiles; fp32 activations)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.avx2:  # every quantized matmul of this process through the AVX2-only kernels
+        from inferd.kernels.quant_gemm import extension_avx2
+
+        formats._EXT = extension_avx2() or False
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
     ext = formats._kernels()

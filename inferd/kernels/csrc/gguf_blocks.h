@@ -12,16 +12,18 @@
 // The row layout (data uint8 [N, row_bytes]; per row, with P = 0, 1 or 2 high-bit planes):
 //   [0, K/2)                  nibbles: in block b, byte b·16 + i holds q_i & 15 low and q_{16+i} & 15
 //                             high (GGUF Q4_0's order)
-//   [K/2, K/2 + K/8·P)        block b's planes at K/2 + 4·P·b + 4·p, a uint32 each: bit i is bit 4 + p
-//                             of q_i
+//   [K/2, K/2 + K/8·P)        block b's high bits h_i = q_i >> 4 in the 4·P bytes at K/2 + 4·P·b: byte e
+//                             holds h_{4P·j + e} in its bits [P·j, P·j + P), j = 0 .. 8/P - 1 (so that
+//                             one variable shift per 4P-byte lane puts every h in place)
 //   then the sub-block scales, K/16 bytes: Q4_K/Q5_K sc [K/32] then m [K/32] (uint8); Q6_K sc [K/16]
 //                             (int8, one per 16 weights)
 // scales fp16 [N, K/32] (Q5_x: d) or [N, K/256] (K types: d); mins fp16 the same shape (Q5_1: m;
 // Q4_K/Q5_K: dmin), empty for Q5_0 and Q6_K.
 //
 // Two paths, as quant_gemm.h has for int8 / int4:
-// - fp32 activations: each block dequantised to 32 fp32 registers (BlockDecoder) inside
-//   quant_gemm's gemv / strip gemm / dequantise-once templates.
+// - fp32 activations: each block dequantised to 32 fp32 registers (decode_block), for up to 4 rows
+//   in fp32_gemv (each output row's block scales worked out first, 8 blocks per instruction), for
+//   more in quant_gemm's strip gemm and dequantise-once templates (BlockDecoder).
 // - int8 activations (x rounded to int8 per 32-block once per call, int8_dot.h): integer block dots,
 //   on the row layout (rows_gemv, AVX2 or AVX512-VNNI in 256-bit registers) and, with AVX512-VNNI,
 //   on 16-output tiles packed at load (tiles_gemm). Both compute, for activation row i and output n,
@@ -89,15 +91,6 @@ struct RowWeight {
   inline const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
 };
 
-// 32 bits → 32 bytes, 0xFF where the bit is set (byte i from bit i).
-inline __m256i expand_bits(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
-}
-
 // Block b's 32 codes q (0 .. 2^bits - 1) of row r, in weight order.
 template <int T>
 inline __m256i codes(const uint8_t* r, int64_t K, int64_t b) {
@@ -106,10 +99,16 @@ inline __m256i codes(const uint8_t* r, int64_t K, int64_t b) {
   __m256i q = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1),
                                _mm256_set1_epi8(0x0F));
   const uint8_t* hp = r + K / 2 + 4 * P * b;
-  for (int p = 0; p < P; ++p) {
-    uint32_t bits;
-    std::memcpy(&bits, hp + 4 * p, 4);
-    q = _mm256_or_si256(q, _mm256_and_si256(expand_bits(bits), _mm256_set1_epi8(static_cast<char>(16 << p))));
+  if constexpr (P == 1) {  // 32-bit lane j: bit j of each byte
+    uint32_t h;
+    std::memcpy(&h, hp, 4);
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi8(0x01)), 4));
+  } else if constexpr (P == 2) {  // 64-bit lane j: bits 2j, 2j + 1 of each byte
+    int64_t h;
+    std::memcpy(&h, hp, 8);
+    const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6));
+    q = _mm256_or_si256(q, _mm256_slli_epi64(_mm256_and_si256(v, _mm256_set1_epi8(0x03)), 4));
   }
   return q;
 }
@@ -135,39 +134,128 @@ inline float block_min(const RowWeight& w, int64_t n, const uint8_t* r, int64_t 
   return m;
 }
 
-// ---- fp32 activations: a block as 32 fp32 weights, for quant_gemm's templates ------------------
+// Row n's per-block fp32 scales and mins, 8 blocks per instruction where the layout allows: s [nb]
+// (Q6_K: [2 nb], one per 16 weights, d · sc) and mn [nb] (types with mins). The same values as
+// block_scale / block_min (each product is exact).
+template <int T>
+inline void row_tables(const RowWeight& w, int64_t n, const uint8_t* r, float* s, float* mn) {
+  const int64_t nb = w.nb;
+  const at::Half* d = w.scales + n * w.groups_per_row;
+  const at::Half* m = Traits<T>::kMins ? w.mins + n * w.groups_per_row : nullptr;
+  if constexpr (Traits<T>::kSub == 0) {  // Q5_x: fp16 per block
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      _mm256_storeu_ps(s + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))));
+      if constexpr (Traits<T>::kMins)
+        _mm256_storeu_ps(mn + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b))));
+    }
+    for (; b < nb; ++b) {
+      s[b] = half_to_float(d + b);
+      if constexpr (Traits<T>::kMins) mn[b] = half_to_float(m + b);
+    }
+  } else {  // K types: super-blocks of 8 blocks
+    const uint8_t* sub = sub_scales<T>(r, w.K);
+    for (int64_t g = 0; g < nb / 8; ++g) {
+      const __m256 dg = _mm256_set1_ps(half_to_float(d + g));
+      if constexpr (Traits<T>::kSub == 1) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * g))));
+        const __m256 mm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + nb + 8 * g))));
+        _mm256_storeu_ps(s + 8 * g, _mm256_mul_ps(dg, sc));
+        _mm256_storeu_ps(mn + 8 * g, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(half_to_float(m + g)), mm)));
+      } else {  // Q6_K: 16 int8 scales a super-block
+        for (int h = 0; h < 2; ++h) {
+          const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 16 * g + 8 * h));
+          _mm256_storeu_ps(s + 16 * g + 8 * h, _mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))));
+        }
+      }
+    }
+  }
+}
+
+// How many rows ahead the one-row kernels ask for a weight row (int8_dot.h's reason).
+constexpr int64_t kPrefetchRows = 16;
+
+// ---- fp32 activations: a block as 32 fp32 weights ---------------------------------------------
+// Block b's fp32 scales: the first and second 16 weights' (differing in Q6_K only) and the min (0
+// without).
+template <int T>
+inline void block_scales(const RowWeight& w, int64_t n, const uint8_t* r, int64_t b, float& lo, float& hi, float& mn) {
+  if constexpr (Traits<T>::kSub == 2) {  // Q6_K: a scale per 16 weights
+    const float d = half_to_float(w.scales + n * w.groups_per_row + b / Traits<T>::kGroupBlocks);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sub_scales<T>(r, w.K)) + 2 * b;
+    lo = d * static_cast<float>(sc[0]);
+    hi = d * static_cast<float>(sc[1]);
+  } else {
+    lo = hi = block_scale<T>(w, n, r, b);
+  }
+  mn = block_min<T>(w, n, r, b);
+}
+
+// The 8 bytes at `half8` (0..3) of v, widened to 8 int32.
+inline __m256i widen(__m256i v, int half8, bool is_signed) {
+  const __m128i lane = half8 < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  const __m128i bytes = (half8 & 1) ? _mm_srli_si128(lane, 8) : lane;
+  return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+}
+
+// Block b of row r as 32 fp32 weights, with gguf's operations: the scale times the code (exact),
+// then the min added (one rounding; the products are exact, so an FMA would give the same).
+template <int T>
+inline void decode_block(const uint8_t* r, int64_t K, int64_t b, __m256 lo, __m256 hi, __m256 mn, __m256 out[4]) {
+  __m256i q = codes<T>(r, K, b);
+  constexpr bool kSigned = Traits<T>::kOffset != 0;
+  if constexpr (kSigned) q = _mm256_sub_epi8(q, _mm256_set1_epi8(Traits<T>::kOffset));
+  for (int c = 0; c < 4; ++c) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(widen(q, c, kSigned)), c < 2 ? lo : hi);
+    if constexpr (Traits<T>::kMins) v = _mm256_add_ps(v, mn);
+    out[c] = v;
+  }
+}
+
+// quant_gemm's block decoder (its strip gemm and dequantise-once templates).
 template <int T>
 struct BlockDecoder {
   RowWeight w;
-  // The 8 bytes at `half8` (0..3) of v, widened to 8 int32.
-  static inline __m256i widen(__m256i v, int half8, bool is_signed) {
-    const __m128i lane = half8 < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-    const __m128i bytes = (half8 & 1) ? _mm_srli_si128(lane, 8) : lane;
-    return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-  }
-  // gguf's operations: the scale times the code (exact), then the min added (one rounding).
   inline void load(int64_t n, int64_t b, __m256 out[4]) const {
     const uint8_t* r = w.row(n);
-    __m256i q = codes<T>(r, w.K, b);
-    constexpr bool kSigned = Traits<T>::kOffset != 0;
-    if constexpr (kSigned) q = _mm256_sub_epi8(q, _mm256_set1_epi8(Traits<T>::kOffset));
-    const float d = half_to_float(w.scales + n * w.groups_per_row + b / Traits<T>::kGroupBlocks);
-    __m256 s[2], mn = _mm256_setzero_ps();
-    if constexpr (Traits<T>::kSub == 2) {  // Q6_K: a scale per 16 weights
-      const int8_t* sc = reinterpret_cast<const int8_t*>(sub_scales<T>(r, w.K)) + 2 * b;
-      s[0] = _mm256_set1_ps(d * static_cast<float>(sc[0]));
-      s[1] = _mm256_set1_ps(d * static_cast<float>(sc[1]));
-    } else {
-      s[0] = s[1] = _mm256_set1_ps(block_scale<T>(w, n, r, b));
-      if constexpr (Traits<T>::kMins) mn = _mm256_set1_ps(block_min<T>(w, n, r, b));
-    }
-    for (int c = 0; c < 4; ++c) {
-      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(widen(q, c, kSigned)), s[c / 2]);
-      if constexpr (Traits<T>::kMins) v = _mm256_add_ps(v, mn);  // exact products: an FMA gives the same
-      out[c] = v;
-    }
+    float lo, hi, mn;
+    block_scales<T>(w, n, r, b, lo, hi, mn);
+    decode_block<T>(r, w.K, b, _mm256_set1_ps(lo), _mm256_set1_ps(hi), _mm256_set1_ps(mn), out);
   }
 };
+
+// M <= 4 (decode) rows of fp32 x against outputs [n0, n1): as quant_gemm's gemv_rows (each block
+// decoded once into registers, used for every row), with each output row's block scales worked
+// out in a loop of their own first, which takes that scalar work off the decode loop.
+template <int T, int MR>
+void fp32_gemv(const RowWeight& w, const float* x, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int A = MR == 1 ? 4 : 2;  // independent accumulator chains per input row
+  const int64_t nb = w.nb, K = w.K;
+  constexpr int64_t kPer = Traits<T>::kSub == 2 ? 2 : 1;  // scales per block
+  std::vector<float> s(kPer * nb), mn(nb);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* r = w.row(n);
+    if (n + kPrefetchRows < n1) int8dot::prefetch_row(w.row(n + kPrefetchRows), w.row_bytes);
+    row_tables<T>(w, n, r, s.data(), mn.data());
+    __m256 acc[MR][A];
+    for (int i = 0; i < MR; ++i)
+      for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[4];
+      decode_block<T>(r, K, b, _mm256_broadcast_ss(&s[kPer * b]), _mm256_broadcast_ss(&s[kPer * b + kPer - 1]),
+                      Traits<T>::kMins ? _mm256_broadcast_ss(&mn[b]) : _mm256_setzero_ps(), v);
+      for (int i = 0; i < MR; ++i) {
+        const float* xp = x + i * K + b * 32;
+        for (int j = 0; j < 4; ++j) acc[i][j % A] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xp + 8 * j), acc[i][j % A]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m256 sum = acc[i][0];
+      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[i][a]);
+      y[i * N + n] = quant_gemm::hsum(sum);
+    }
+  }
+}
 
 // ---- int8 activations on the row layout ---------------------------------------------------------
 // Lane j of the result: the sum of v[j]'s 8 lanes (integers: exact in any order).
@@ -207,9 +295,6 @@ inline PreparedBlock<T> prepare(const RowWeight& w, const uint8_t* r, int64_t b)
   return p;
 }
 
-// How many rows ahead the one-row kernels ask for a weight row (int8_dot.h's reason).
-constexpr int64_t kPrefetchRows = 16;
-
 // Activation rows [m0, m0 + MR) against the 8 outputs rows[0..7] (a short last group repeats its
 // last row; the caller stores only its own): acc[i] lane j = row m0 + i, output j. sT / mnT hold
 // each block's s_b / mn_b for the 8 outputs, [nb][8].
@@ -240,16 +325,18 @@ inline void rows_chunk(const RowWeight& w, const uint8_t* const rows[8], const f
 template <int T>
 void rows_gemv(const RowWeight& w, const int8dot::QuantizedRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = w.nb, M = x.M;
-  std::vector<float> sT(8 * nb), mnT(8 * nb);
+  std::vector<float> sT(8 * nb), mnT(8 * nb), s(2 * nb), mn(nb);
   for (int64_t g = n0; g < n1; g += 8) {
     const int outs = static_cast<int>(std::min<int64_t>(8, n1 - g));
     const uint8_t* rows[8];
     for (int j = 0; j < 8; ++j) {
       const int64_t n = g + std::min(j, outs - 1);
       rows[j] = w.row(n);
+      row_tables<T>(w, n, rows[j], s.data(), mn.data());
       for (int64_t b = 0; b < nb; ++b) {
-        sT[b * 8 + j] = block_scale<T>(w, n, rows[j], b);
-        if constexpr (Traits<T>::kMins) mnT[b * 8 + j] = block_min<T>(w, n, rows[j], b);
+        // Q6_K's per-16 scales are folded into its integer dot; its block scale is d.
+        sT[b * 8 + j] = Traits<T>::kSub == 2 ? block_scale<T>(w, n, rows[j], b) : s[b];
+        if constexpr (Traits<T>::kMins) mnT[b * 8 + j] = mn[b];
       }
       if (n + kPrefetchRows < n1) int8dot::prefetch_row(w.row(n + kPrefetchRows), w.row_bytes);
     }
@@ -476,7 +563,25 @@ inline torch::Tensor linear(torch::Tensor x, torch::Tensor data, torch::Tensor s
     });
     return y;
   }
-  return dispatch(type, [&](auto T) { return quant_gemm::run(BlockDecoder<decltype(T)::value>{w}, x, N); });
+  const int64_t M = x.size(0);
+  if (M == 0 || M > 4)
+    return dispatch(type, [&](auto T) { return quant_gemm::run(BlockDecoder<decltype(T)::value>{w}, x, N); });
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  dispatch(type, [&](auto T) {
+    constexpr int kT = decltype(T)::value;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      switch (M) {
+        case 1: fp32_gemv<kT, 1>(w, xp, yp, N, n0, n1); break;
+        case 2: fp32_gemv<kT, 2>(w, xp, yp, N, n0, n1); break;
+        case 3: fp32_gemv<kT, 3>(w, xp, yp, N, n0, n1); break;
+        default: fp32_gemv<kT, 4>(w, xp, yp, N, n0, n1); break;
+      }
+    });
+    return 0;
+  });
+  return y;
 }
 
 constexpr bool kHasTiles =
