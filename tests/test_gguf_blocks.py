@@ -63,6 +63,10 @@ def test_blocks_load_bit_exact_at_their_own_bits(name: str) -> None:
             assert torch.equal(back.data, w.data) and torch.equal(back.scales, w.scales)
             assert torch.equal(dequantize_rows(tiles), want)
             assert torch.equal(dequantize_rows(tiles.rows(perm)), want[perm])
+            # A tied embedding's lookup:
+            assert torch.equal(dequantize_rows(tiles, perm), want[perm])
+            with pytest.raises(IndexError, match="out of range"):
+                dequantize_rows(tiles, torch.tensor([n]))
 
 
 def test_real_gemma_file_tensors_bit_exact() -> None:
@@ -220,6 +224,13 @@ def test_tiny_kquant_model_loads_every_type_packed(tiny_models) -> None:
     assert kinds == {"int8", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"}
     for name, want in model.weights.items():  # gguf's dequantize of the bytes written, unpermuted
         assert torch.equal(formats.dequantize(loaded.weights[name]), want), name
+    # The conversion cache's copy:
+    cached = load_model(model.path, verbose=False, quantization="auto")
+    for name, w in loaded.weights.items():
+        if isinstance(w, formats.QuantizedWeight):
+            back = cached.weights[name]
+            assert (back.format, back.group, back.shape) == (w.format, w.group, w.shape), name
+            assert torch.equal(formats.dequantize(back), formats.dequantize(w)), name
 
 
 def test_tiny_kquant_model_matches_transformers_on_the_gguf(

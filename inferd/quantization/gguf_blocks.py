@@ -144,7 +144,8 @@ def _row_data(t: BlockType, q: np.ndarray, sub: list[np.ndarray]) -> np.ndarray:
     n, k = q.shape
     blocks = q.reshape(n, k // 32, 32)
     parts = [((blocks[..., :16] & 0x0F) | ((blocks[..., 16:] & 0x0F) << 4)).reshape(n, -1)]
-    if t.planes:  # h = q >> 4: byte e of a block's 4P bytes holds h[4P·j + e] at bits [P·j, P·j + P)
+    # h = q >> 4: byte e of a block's 4P bytes holds h[4P·j + e] at bits [P·j, P·j + P)
+    if t.planes:
         h = (blocks >> 4).reshape(n, k // 32, 8 // t.planes, 4 * t.planes).astype(np.uint16)
         shifts = (np.arange(8 // t.planes, dtype=np.uint16) * t.planes)[:, None]
         parts.append((h << shifts).sum(axis=2).astype(np.uint8).reshape(n, -1))
@@ -181,7 +182,7 @@ def _unpack_rows(w: QuantizedWeight, rows: torch.Tensor | None) -> Parts:
     t = BY_FORMAT[w.format]
     k = w.shape[1]
     if w.layout == "tiles":
-        w = tiles_to_rows(w)
+        w, rows = _tiles_holding(w, rows)
     data, scales, mins = w.data, w.scales, w.mins
     if rows is not None:
         data, scales = data[rows], scales[rows]
@@ -210,6 +211,25 @@ def _unpack_rows(w: QuantizedWeight, rows: torch.Tensor | None) -> Parts:
         sc = sub.view(torch.int8).float()
         scale, mn = per_weight(per_weight(scales, 16) * sc, 16), None
     return Parts(q, scale, mn)
+
+
+def _tiles_holding(
+    w: QuantizedWeight, rows: torch.Tensor | None
+) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    """The row layout of the tiles that hold `rows` (all of them for None), and where those rows
+    are in it: an embedding lookup unpacks a few tiles, not the whole table."""
+    from inferd.quantization.formats import QuantizedWeight
+
+    if rows is None:
+        return tiles_to_rows(w), None
+    rows = torch.as_tensor(rows).reshape(-1).long()
+    if len(rows) and (rows.min() < 0 or rows.max() >= w.shape[0]):
+        raise IndexError(f"rows out of range [0, {w.shape[0]})")
+    tiles, where = torch.unique(rows // 16, return_inverse=True)
+    part = QuantizedWeight(w.format, w.data.reshape(w.scales.shape[0], -1)[tiles], w.scales[tiles],
+                           None if w.mins is None else w.mins[tiles], (16 * len(tiles), w.shape[1]),
+                           w.group, w.source, "tiles")  # fmt: skip
+    return tiles_to_rows(part), where * 16 + rows % 16
 
 
 def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:

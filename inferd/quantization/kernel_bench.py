@@ -33,7 +33,7 @@ def _weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> QuantizedWe
     import gguf
 
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-    if qtype in gguf_blocks.TYPES:  # gguf cannot quantize K-quants: a quantization of the weight suffices
+    if qtype in gguf_blocks.TYPES:  # gguf cannot quantize K-quants: random blocks do as well here
         t = gguf_blocks.TYPES[qtype]
         raw = rng.integers(0, 256, size=(n, k // t.group, t.gguf_bytes), dtype=np.uint8)
         halves = {"Q6_K": (208,), "Q5_0": (0,)}.get(qtype, (0, 2))
@@ -80,12 +80,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--rows", default="1,128")
-    p.add_argument("--mib", type=int, default=256, help="weight bytes each format streams per round")
-    p.add_argument("--rounds", type=int, default=5, help="formats alternate; each keeps its best round")
+    p.add_argument(
+        "--mib", type=int, default=256, help="weight bytes each format streams per round"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=5, help="formats alternate; each keeps its best round"
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--types", default=",".join(GGUF_TYPES))
-    p.add_argument("--avx2", action="store_true",
-                   help="the AVX2-only build, as a CPU without AVX-512 runs it (no tiles; fp32 activations)")
+    p.add_argument(
+        "--avx2",
+        action="store_true",
+        help="the AVX2-only build, as a CPU without AVX-512 runs it (no tiles; fp32 activations)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     int8_x = ext is not None and formats.int8_activations_default(ext)
     report = {"n": args.n, "k": args.k, "threads": torch.get_num_threads(), "int8_activations": int8_x,
               "vnni": "avx512_vnni" in cpu_flags().split(), "formats": {}}  # fmt: skip
-    print(f"[{args.n}, {args.k}] weights, {torch.get_num_threads()} threads, int8 activations: {int8_x}")
+    print(
+        f"[{args.n}, {args.k}] weights, {torch.get_num_threads()} threads, int8 activations: {int8_x}"
+    )
     built: dict[str, tuple[list, int]] = {}
     for qtype in ("fp32", *args.types.split(",")):
         if qtype == "fp32":
@@ -107,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
             built["fp32"] = (_fp32_layers(args.n, args.k, copies), 4 * args.n * args.k)
         else:
             probe = _weight(qtype, args.n, args.k, rng)
-            layers = _layers(qtype, args.n, args.k, max(2, (args.mib << 20) // bytes_of(probe)), rng)
+            layers = _layers(
+                qtype, args.n, args.k, max(2, (args.mib << 20) // bytes_of(probe)), rng
+            )
             built[NAMES.get(qtype, qtype)] = (layers, bytes_of(layers[0].qweight))
     xs = {m: torch.randn(m, args.k) for m in rows}
     best = {(name, m): float("inf") for name in built for m in rows}
