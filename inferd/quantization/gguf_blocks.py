@@ -192,7 +192,8 @@ def _unpack_rows(w: QuantizedWeight, rows: torch.Tensor | None) -> Parts:
     q = torch.cat([nib & 0x0F, nib >> 4], dim=2).to(torch.int32)
     if t.planes:  # the high bits: see _row_data
         hb = data[:, k // 2 : k // 2 + k // 8 * t.planes].reshape(r, nb, 1, 4 * t.planes)
-        shifts = (torch.arange(8 // t.planes, dtype=torch.uint8) * t.planes)[:, None]
+        lanes = torch.arange(8 // t.planes, dtype=torch.uint8, device=data.device)
+        shifts = (lanes * t.planes)[:, None]
         h = (hb >> shifts) & ((1 << t.planes) - 1)  # [R, blocks, 8 / P, 4P]
         q |= h.reshape(r, nb, 32).to(torch.int32) << 4
     q = (q.reshape(r, k) - t.offset).float()
