@@ -6,8 +6,8 @@
 //   Q5_1: w = q · d_b + m_b                  d, m fp16 per 32
 //   Q4_K, Q5_K: w = (d · sc_b) · q - dmin · m_b   d, dmin fp16 per 256; sc, m 6-bit per 32
 //   Q6_K: w = (d · sc_h) · (q - 32)          d fp16 per 256; sc int8 per 16 (h: the block's halves)
-// Each product is exact in fp32 (at most 11 + 8 + 6 significant bits), so dequantising here and in
-// gguf's numpy gives the same bits (one rounding at most, of the min's subtraction or addition).
+// Each product is exact in fp32 (at most 11 + 7 + 5 = 23 significant bits), so dequantising here
+// and in gguf's numpy gives the same bits (one rounding at most, of the min's subtraction or addition).
 //
 // The row layout (data uint8 [N, row_bytes]; per row, with P = 0, 1 or 2 high-bit planes):
 //   [0, K/2)                  nibbles: in block b, byte b·16 + i holds q_i & 15 low and q_{16+i} & 15
