@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import tiny_models`
 
-from tiny_models import TinyModel, TinySpec, write_gguf, write_hf_dir  # noqa: E402
+from tiny_models import KQUANT_SPEC, TinyModel, TinySpec, write_gguf, write_hf_dir
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,7 +37,8 @@ class TinyModels:
     """Writes each named tiny model on first use and keeps it for the session.
 
     Names: "{arch}[-tied]-hf", "{arch}-hf-sharded", "{arch}[-tied]-{quant}.gguf" with arch
-    llama|qwen2 and quant f32|q8_0|q4_0|q4_1|f16|mixed (see tiny_models._quant_type).
+    llama|qwen2 and quant f32|q8_0|q4_0|q4_1|f16|mixed|kquants|lowbit (see tiny_models._quant_type;
+    the last two have KQUANT_SPEC's sizes).
     """
 
     def __init__(self, root: Path) -> None:
@@ -52,6 +54,8 @@ class TinyModels:
         stem, _, ext = name.partition(".")
         parts = stem.split("-")
         spec = TinySpec(arch=parts[0], tied="tied" in parts)
+        if parts[-1] in ("kquants", "lowbit"):
+            spec = dataclasses.replace(KQUANT_SPEC, arch=parts[0], tied="tied" in parts)
         if ext == "gguf":
             return write_gguf(self.root / name, spec, quant=parts[-1])
         assert "hf" in parts, name

@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
+from gguf_quantizers import quantize_blocks
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -82,6 +83,10 @@ class TinySpec:
     @property
     def hf_architecture(self) -> str:
         return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.arch]
+
+
+# K-quants hold rows of 256-weight super-blocks: every input dim (hidden, intermediate) a multiple.
+KQUANT_SPEC = TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512)
 
 
 @dataclass
@@ -228,12 +233,31 @@ def gguf_name(hf_name: str) -> str:
 
 
 # Quantization presets: the type of each 2-D weight by GGUF name; 1-D tensors (norms, biases) stay
-# F32 as llama.cpp keeps them. "mixed" resembles the default model (Q4_1 body, Q8_0 embedding).
+# F32 as llama.cpp keeps them. "mixed" resembles the default model (Q4_1 body, Q8_0 embedding);
+# "kquants" holds every type inferd keeps packed, layer 0 as Gemma 3's Q4_K_M mixes them (Q5_0 q/k
+# beside a Q8_0 v); "lowbit" the types it dequantizes at load. Both need K-quants' blocks of 256
+# along K: KQUANT_SPEC's sizes.
+_KQUANT_TYPES = {
+    "token_embd": QType.Q8_0, "output": QType.Q6_K,
+    "0.attn_q": QType.Q5_0, "0.attn_k": QType.Q5_0, "0.attn_v": QType.Q8_0, "0.attn_output": QType.Q4_K,
+    "0.ffn_gate": QType.Q5_1, "0.ffn_up": QType.Q5_1, "0.ffn_down": QType.Q6_K,
+    "1.attn_q": QType.Q5_K, "1.attn_k": QType.Q5_K, "1.attn_v": QType.Q5_K, "1.attn_output": QType.Q6_K,
+    "1.ffn_gate": QType.Q4_K, "1.ffn_up": QType.Q4_K, "1.ffn_down": QType.Q5_K,
+}  # fmt: skip
+_LOWBIT_TYPES = {"token_embd": QType.Q8_0, "output": QType.F16, "attn_q": QType.Q2_K, "attn_k": QType.Q3_K,
+                 "attn_v": QType.IQ4_NL, "attn_output": QType.MXFP4}  # fmt: skip
+
+
 def _quant_type(preset: str, name: str) -> QType:
     if preset == "f32":
         return QType.F32
     if preset in ("q8_0", "q4_0", "q4_1", "f16"):
         return QType[preset.upper()]
+    key = name.removeprefix("blk.").removesuffix(".weight")
+    if preset == "kquants":
+        return _KQUANT_TYPES[key]
+    if preset == "lowbit":
+        return _LOWBIT_TYPES.get(key.split(".")[-1], QType.Q4_K)
     assert preset == "mixed", preset
     if name == "token_embd.weight":
         return QType.Q8_0
@@ -276,7 +300,8 @@ def write_gguf(
     w.add_rope_dimension_count(spec.head_dim)
     w.add_vocab_size(len(tokens))
     ftype = gguf.LlamaFileType
-    w.add_file_type(ftype.ALL_F32 if quant == "f32" else ftype.MOSTLY_Q8_0)
+    w.add_file_type(ftype.ALL_F32 if quant == "f32" else ftype.MOSTLY_Q4_K_M if quant == "kquants"
+                    else ftype.MOSTLY_Q8_0)  # fmt: skip
     add_gguf_tokenizer(w, tok, spec.pre)
 
     expected: dict[str, torch.Tensor] = {}
@@ -289,7 +314,8 @@ def write_gguf(
         if permuted:
             arr = llama_cpp_permute(arr, n_head)
         qtype = _quant_type(quant, name) if arr.ndim == 2 else QType.F32
-        data = arr if qtype == QType.F32 else gguf.quants.quantize(arr, qtype)
+        rng = np.random.default_rng(len(types))
+        data = arr if qtype == QType.F32 else quantize_blocks(arr, qtype, rng)
         w.add_tensor(name, data, raw_dtype=qtype)
         types[name] = qtype
         back = arr if qtype == QType.F32 else gguf.quants.dequantize(data, qtype).reshape(arr.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,11 @@ from inferd.config import ModelConfig
 from inferd.loader.gguf_tokenizer import UnsupportedTokenizerError, build_gguf_tokenizer
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
-from inferd.quantization.formats import GGUF_NATIVE, QuantizedWeight, from_gguf_blocks
+from inferd.quantization.formats import GGUF_PACKED, QuantizedWeight, from_gguf_blocks
+
+logger = logging.getLogger("inferd.loader")
+# Types that hold floats as they are; every other type is a quantization.
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # llama.cpp's tensor names per architecture (under blk.{i}.) → HF names (under
 # model.layers.{i}.). Every name a table lists must be in every layer unless optional.
@@ -273,7 +278,7 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def _native(tensor: Any) -> QuantizedWeight:
-    """Q8_0/Q4_0/Q4_1 blocks → the kernels' layout, bytes copied (no fp32 detour)."""
+    """Blocks of a GGUF_PACKED type → the kernels' layout, losslessly (no fp32 detour)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
 
@@ -281,8 +286,9 @@ def _native(tensor: Any) -> QuantizedWeight:
 def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = False,
               with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
     """Any failure on a damaged file (undecodable strings, merges or vocab the tokenizer refuses)
-    surfaces as one ModelLoadError naming the file. `keep_quantized`: Q8_0/Q4_0/Q4_1 matrices come
-    back as `QuantizedWeight`s in their blocks instead of dequantized fp32. Without
+    surfaces as one ModelLoadError naming the file. `keep_quantized`: matrices of the GGUF_PACKED
+    types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) come back as `QuantizedWeight`s instead
+    of dequantized fp32; other quantized types are dequantized, and one warning names them. Without
     `with_tokenizer` the result has none (what `inferd info` and tools that pass token ids need)."""
     try:
         return _load_gguf(path, show_progress, keep_quantized, with_tokenizer)
@@ -315,6 +321,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
     permuted = arch in _PERMUTED_ROPE
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     types: Counter[str] = Counter()
+    dequantized: Counter[str] = Counter()  # quantized matrices without packed kernels
     bar = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress,
                leave=False)  # fmt: skip
     for t in bar:
@@ -322,7 +329,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         if name is None:  # (Phi-3's rope factors, read into the config)
             continue
         types[t.tensor_type.name] += 1
-        if keep_quantized and t.tensor_type.name in GGUF_NATIVE and len(t.shape) == 2:
+        if keep_quantized and t.tensor_type.name in GGUF_PACKED and len(t.shape) == 2:
             try:
                 qw = _native(t)
             except Exception as e:
@@ -332,6 +339,8 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
                 qw = qw.rows(unpermute_rope(np.arange(qw.shape[0]), heads))  # rows, as below
             weights[name] = qw
             continue
+        if keep_quantized and t.tensor_type.name not in _FLOAT_TYPES:
+            dequantized[t.tensor_type.name] += 1
         try:
             arr = _dequantize(t)
         except Exception as e:
@@ -350,6 +359,12 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
 
         config = replace(config, tie_word_embeddings=False)
     main_type = ", ".join(f"{k}×{v}" for k, v in types.most_common())
+    if dequantized:
+        note = ", ".join(f"{k}×{v}" for k, v in dequantized.most_common())
+        main_type += f"; dequantized to fp32: {note}"
+        count = sum(dequantized.values())
+        logger.warning("%s: GGUF %s have no packed kernels in inferd: %d tensors dequantized to "
+                       "fp32 at load", path, note, count)  # fmt: skip
     return LoadedModel(
         config=config,
         weights=weights,

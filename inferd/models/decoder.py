@@ -40,7 +40,7 @@ from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
 from inferd.models.spec import ACTIVATIONS, LayerSpec, ModelSpec, uniform_spec
-from inferd.quantization import formats
+from inferd.quantization import formats, gguf_blocks
 from inferd.quantization.formats import QuantizedWeight
 from inferd.quantization.policy import linear_weight
 
@@ -57,7 +57,10 @@ def kernel_linear_weights(ext, module: nn.Module):
     `Embedding` or `QuantizedEmbedding` likewise, its table the weight (the C++ looks rows up)."""
     if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
         w = module.qweight
-        kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
+        if w.format in gguf_blocks.FORMATS:  # GGUF's 5- / 6-bit and K-quant blocks
+            kind = gguf_blocks.kernel_kind(w)
+        else:
+            kind = _TILES_KIND if w.layout == "tiles" else _LINEAR_KINDS[w.format]
         bias = getattr(module, "bias", None)
         return ext.LinearWeights(kind, w.data, w.scales, w.mins, bias, w.group, w.streamed)
     return ext.LinearWeights(0, module.weight, None, None, getattr(module, "bias", None), 0)

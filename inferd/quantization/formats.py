@@ -9,6 +9,9 @@ every tensor alike):
   in 0..15; each 32-weight block's 16 bytes hold weights 0..15 in the low nibbles and 16..31 in the
   high ones — GGUF's Q4_0/Q4_1 byte order, so those load by copying (Q4_0: min = -8 * scale).
 - "fp8": data uint8 [N, K] holding float8_e4m3fn bits; scales fp32 [N, K / group]; w = e4m3(q) * scale.
+- "q5_0", "q5_1", "q4_k", "q5_k", "q6_k": GGUF's blocks of those types, converted losslessly into
+  the layout of their own kernels (gguf_blocks.py); group is the fp16 scales' (32, or 256 for
+  K-quants).
   Groups of 32 by default: E4M3's precision is relative, but a per-channel scale set by one large
   weight pushes groups of small ones into its coarse subnormal range (on SmolLM2-135M with absmax
   scales, per-channel costs about half as much perplexity again as groups of 32). Each group's
@@ -26,14 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from inferd import envs
+from inferd.quantization import gguf_blocks
 from inferd.quantization.fp8_scales import FP8_MAX, STEPS, group_scales
 
-FORMATS = ("int8", "int4", "fp8")
+FORMATS = ("int8", "int4", "fp8", *gguf_blocks.FORMATS)
 
 
 @dataclass(slots=True)
 class QuantizedWeight:
-    format: str  # "int8" | "int4" | "fp8"
+    format: str  # one of FORMATS
     data: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
@@ -64,6 +68,8 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
         """The same weight with its rows reordered/selected by `index`."""
         index = torch.as_tensor(index, dtype=torch.long)
+        if self.layout == "tiles" and self.format in gguf_blocks.FORMATS:
+            return gguf_blocks.tiles_to_rows(self).rows(index)
         if self.layout == "tiles":  # back to the row layout, with the block scales as fp32 groups of 32
             q, scales, mins = _tile_values(self, index)
             data = q.contiguous() if self.format == "int8" else pack_int4(q)
@@ -109,6 +115,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [len(rows) or N, K]; `rows` selects rows first (an embedding lookup)."""
+    if w.format in gguf_blocks.FORMATS:
+        return gguf_blocks.dequantize(w, rows)
     if w.layout == "tiles":
         return _dequantize_tiles(w, rows)
     data, scales, mins = w.data, w.scales, w.mins
@@ -161,9 +169,13 @@ def _dequantize_tiles_torch(w: QuantizedWeight, rows: torch.Tensor | None) -> to
 def pack_tiles(w: QuantizedWeight) -> QuantizedWeight | None:
     """`w` in the packed layout of the AVX512-VNNI kernels, or None where it cannot take it
     (no such kernels, int8 activations forced off — tiles have no fp32-activation kernel —, fp8,
-    an output count that is not a multiple of 16, another device)."""
+    an output count that is not a multiple of 16, another device). GGUF's 5- / 6-bit and K-quant
+    types have tiles of their own (gguf_blocks.pack_tiles)."""
     ext = _kernels()
     n, k = w.shape
+    if w.format in gguf_blocks.FORMATS:
+        usable = ext is not None and ext.has_int8_gemm and INT8_ACTIVATIONS is not False
+        return gguf_blocks.pack_tiles(w) if usable and gguf_blocks.can_pack(w) else None
     if (ext is None or not ext.has_int8_gemm or INT8_ACTIVATIONS is False or w.layout != "rows"
             or w.format not in ("int8", "int4") or n % 16 or k % 32 or not w.data.is_cpu):  # fmt: skip
         return None
@@ -260,11 +272,17 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 # ---- GGUF blocks -----------------------------------------------------------------------------
 # Bytes per 32-weight block and the layout of one block: fp16 d [, fp16 m], then the quants.
 GGUF_NATIVE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# Every GGUF type a matrix stays packed in (`-q auto`): those above, and gguf_blocks' 5- / 6-bit
+# and K-quant types.
+GGUF_PACKED = (*GGUF_NATIVE, *gguf_blocks.TYPES)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """GGUF Q8_0/Q4_0/Q4_1 bytes [N, K / 32 * block_bytes] → a QuantizedWeight, by copying bytes
-    (no fp32 detour): the scales and mins stay the file's fp16 values."""
+    """GGUF bytes [N, K / block * block_bytes] of a GGUF_PACKED type → a QuantizedWeight, without
+    an fp32 detour: Q8_0/Q4_0/Q4_1 by copying bytes (the scales and mins stay the file's fp16
+    values), the others converted losslessly (gguf_blocks.from_gguf)."""
+    if type_name in gguf_blocks.TYPES:
+        return gguf_blocks.from_gguf(raw, type_name, shape)
     n, k = shape
     bb = GGUF_NATIVE[type_name]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, bb)
@@ -298,6 +316,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def int8_activation_matmul_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [M, K] · w^T as the int8-activation kernels compute it, in fp64: Σ_b s·d_b·(qw·q)_b,
     plus min · d · Σ q for int4. The kernels' own tests compare against this."""
+    if w.format in gguf_blocks.FORMATS:
+        return gguf_blocks.int8_activation_reference(x, w)
     if w.format not in ("int8", "int4"):
         raise ValueError(f"int8 activations serve int8 and int4 weights, not {w.format!r}")
     q, d, sums = (t.double() for t in quantize_activations(x))
@@ -389,6 +409,8 @@ _NO_MINS = torch.empty(0)
 
 def _kernel_call(ext, x2: torch.Tensor, w: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
     """The fused kernel on x2 [M, K]; with M == 0 it returns the dequantised weight [N, K]."""
+    if w.format in gguf_blocks.FORMATS:
+        return gguf_blocks.kernel_call(ext, x2, w, int8_x)
     if w.layout == "tiles":  # int8 activations only (quantized_matmul routes the rest)
         mins = w.mins if w.mins is not None else _NO_MINS
         return ext.tiles_linear(x2, w.data, w.scales, mins, w.streamed)

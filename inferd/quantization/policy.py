@@ -2,8 +2,10 @@
 
 Modes:
 - "none": every weight dequantised to the compute dtype (fp32 on these CPUs).
-- "auto" (default): keep a GGUF file's Q8_0/Q4_0/Q4_1 tensors in their blocks (fused kernels serve
-  them); everything else as in "none". An fp32/fp16/bf16 checkpoint therefore runs unquantized.
+- "auto" (default): keep a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K tensors packed
+  (formats.GGUF_PACKED; fused kernels serve them); everything else as in "none". An fp32/fp16/bf16
+  checkpoint therefore runs unquantized. A fused layer (qkv, gate_up) of parts in different types
+  takes one common format: int8 blocks of 32, exactly where every part is Q8_0 or Q5_0.
 - "int8" (per-channel), "int4" (group-wise asymmetric, `group` 32/64/128), "fp8" (E4M3, an fp32
   scale per `group` weights):
   every linear layer in that format. GGUF blocks that already are that format are kept as
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferd.quantization import gguf_blocks
 from inferd.quantization.formats import (
     QuantizedWeight,
     bytes_of,
@@ -58,6 +61,9 @@ def linear_weight(
         if len(quantized) == len(parts) and _compatible(quantized):
             return quantized[0] if len(parts) == 1 else cat_rows(quantized)
         if len(quantized) == len(parts):  # a fused layer of mixed blocks: one common format
+            widened = [gguf_blocks.widen_to_int8(p) or p for p in quantized]
+            if _compatible(widened) and widened[0].format == "int8" and widened[0].group == 32:
+                return cat_rows(widened)  # Q5_0 beside Q8_0: its very values as int8 blocks
             return quantize_int8_blocks(_fp32(parts))
         return _fp32(parts)
     fmt = "int8" if (mode in ("int4", "fp8") and head) else mode

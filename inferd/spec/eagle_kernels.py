@@ -159,6 +159,7 @@ def fused_weights(head: EagleHead) -> Any:
     table = (isinstance(embed, Embedding) and embed.weight.dtype == torch.float32) or (
         isinstance(embed, QuantizedEmbedding)
         and embed.dtype == torch.float32
+        and embed.qweight.format in ("int8", "int4", "fp8")  # the tables embedding_rows reads
         and (embed.qweight.layout == "rows" or int8)
     )
     if ext is not None and len(linears) == 6 and all(map(same_kernel, linears)) and table:

@@ -7,6 +7,7 @@
 #include "decoder_layers.h"
 #include "dense_gemv.h"
 #include "eagle_draft.h"
+#include "gguf_blocks.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
@@ -44,6 +45,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_prefetch", [] { return static_cast<int64_t>(stream_prefetch::hint()); });
   m.def("tiles_rows", &quant_gemm::tiles_rows, "rows of packed tiles, dequantised to fp32 [R, K]",
         py::arg("w"), py::arg("ws"), py::arg("wm"), py::arg("rows"));
+  // GGUF's 5- / 6-bit and K-quant weights (gguf_blocks.h), `type` 0..4: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+  m.def("gguf_blocks_linear", &gguf_blocks::linear,
+        "x[M,K] · GGUF blocks (row layout)^T; an empty x gives the dequantised weight", py::arg("x"),
+        py::arg("data"), py::arg("scales"), py::arg("mins"), py::arg("type"), py::arg("int8_x") = false);
+  m.def("gguf_tiles_linear", &gguf_blocks::tiles_linear, "x[M,K] · GGUF blocks (packed tiles)^T, int8 activations",
+        py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("mins"), py::arg("type"), py::arg("stream") = true);
 
   // fp32 x[M,K] · w^T (+ bias) (dense_gemv.h): the streaming kernel up to dense_max_rows rows,
   // register-blocked tiles above, one summation order, so a row's bits at any row count.

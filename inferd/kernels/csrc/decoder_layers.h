@@ -27,6 +27,7 @@
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "dense_gemv.h"
+#include "gguf_blocks.h"
 #include "quant_gemm.h"
 
 namespace decoder {
@@ -77,7 +78,9 @@ inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor&
 inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, const Shape& s) {
   if (l.kind == LinearWeights::kFloat) return dense::linear(x, l.weight, l.bias);
   torch::Tensor y;
-  if (l.kind == LinearWeights::kTiles) {
+  if (gguf_blocks::owns_kind(l.kind)) {  // kinds 5..14: GGUF's 5- / 6-bit and K-quant blocks
+    y = gguf_blocks::linear_kind(l.kind, x, l.weight, l.scales, l.mins, s.int8_activations, l.stream);
+  } else if (l.kind == LinearWeights::kTiles) {
     TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");
     y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}),
                                  l.stream);
