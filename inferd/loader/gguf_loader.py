@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from tqdm import tqdm
 
 from inferd.config import ModelConfig
 from inferd.loader.chat_templates import default_chat_template
+from inferd.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 from inferd.loader.gguf_tokenizer import (
     GGUFVocab,
     UnsupportedTokenizerError,
@@ -129,54 +132,56 @@ _TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|
 _CONTROL_TOKEN = 3
 
 
-def gguf_vocab(reader: Any) -> GGUFVocab:
+Metadata = Callable[..., Any]  # get(key, default=None): a metadata value of the file
+
+
+def gguf_vocab(get: Metadata) -> GGUFVocab:
     """The file's `tokenizer.ggml.*` fields; ModelLoadError if it has no vocabulary."""
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; cannot build a tokenizer")
     return GGUFVocab(
-        model=_field(reader, "tokenizer.ggml.model", "gpt2"),
-        pre=_field(reader, "tokenizer.ggml.pre", "default"),
+        model=get("tokenizer.ggml.model", "gpt2"),
+        pre=get("tokenizer.ggml.pre", "default"),
         tokens=tokens,
-        token_types=_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
-        scores=_field(reader, "tokenizer.ggml.scores"),
-        merges=_field(reader, "tokenizer.ggml.merges"),
-        unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+        token_types=get("tokenizer.ggml.token_type", [1] * len(tokens)),
+        scores=get("tokenizer.ggml.scores"),
+        merges=get("tokenizer.ggml.merges"),
+        unk_id=get("tokenizer.ggml.unknown_token_id"),
+        add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
     )
 
 
-def gguf_tokenizer(reader: Any) -> Tokenizer:
-    """The tokenizer of an open GGUF file: vocabulary, BOS / EOS ids, the BOS rule and the chat
-    template as the file states them (a SentencePiece file that does not say adds BOS, as llama.cpp
-    and transformers do; a file without a template gets its family's, where one is known)."""
-    vocab = gguf_vocab(reader)
-    arch = str(_field(reader, "general.architecture", "") or "")
+def gguf_tokenizer(get: Metadata) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes: vocabulary, BOS / EOS ids, the BOS rule and
+    the chat template as the file states them (a SentencePiece file that does not say adds BOS, as
+    llama.cpp and transformers do; a file without a template gets its family's, where one is
+    known)."""
+    vocab = gguf_vocab(get)
+    arch = str(get("general.architecture", "") or "")
     try:
         hf = build_gguf_tokenizer(vocab, arch)
     except UnsupportedTokenizerError as e:
         raise ModelLoadError(str(e)) from e
-    named = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    named = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     turn_ends = [hf.token_to_id(t) for t in _TURN_ENDS]
     turn_ends = [i for i in turn_ends if i is not None and vocab.token_types[i] == _CONTROL_TOKEN]
     return Tokenizer(
         hf,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in (*named, *turn_ends) if i is not None)),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", vocab.model == "llama")),
-        chat_template=_field(reader, "tokenizer.chat_template") or default_chat_template(arch),
+        add_bos_token=bool(get("tokenizer.ggml.add_bos_token", vocab.model == "llama")),
+        chat_template=get("tokenizer.chat_template") or default_chat_template(arch),
     )
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
-    """Only the tokenizer of a GGUF file (no weights are read)."""
-    import gguf
-
+    """Only the tokenizer of a GGUF file: its metadata is read, its tensors are not."""
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors
-        raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from e
-    return gguf_tokenizer(reader)
+        metadata = read_gguf_metadata(path)
+        return gguf_tokenizer(metadata.get)
+    except (GGUFMetadataError, ModelLoadError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -263,7 +268,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False) ->
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=gguf_tokenizer(reader),
+        tokenizer=gguf_tokenizer(functools.partial(_field, reader)),
         source=str(path),
         file_type=f"GGUF ({main_type})",
     )
