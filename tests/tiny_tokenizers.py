@@ -82,10 +82,11 @@ class SpmVocab:
     add_space_prefix: bool | None = None  # None: not written (llama.cpp's default, true)
     chat_template: str | None = None
     model: str = "llama"
+    pre: str = "default"
 
     def write(self, w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model(self.model)
-        w.add_tokenizer_pre("default")
+        w.add_tokenizer_pre(self.pre)
         w.add_token_list(list(self.tokens))
         w.add_token_scores(list(self.scores))
         w.add_token_types(list(self.types))
@@ -146,9 +147,14 @@ def gemma_vocab(**fields) -> SpmVocab:
             ("\n\n", TokenType.USER_DEFINED), ("  ", TokenType.USER_DEFINED),
             ("   ", TokenType.USER_DEFINED), ("    ", TokenType.USER_DEFINED),
             ("\t", TokenType.USER_DEFINED), ("<table>", TokenType.USER_DEFINED)]  # fmt: skip
+    # Pieces are unique, the runs of spaces included under their "▁" spelling.
+    taken = {t for t, _ in head} | {"\u2581" * len(t) for t, _ in head if not t.strip(" ")}
     special = {base.bos_id, base.eos_id, base.unk_id}
-    body = [(t, s, k) for i, (t, s, k) in enumerate(zip(base.tokens, base.scores, base.types))
-            if i not in special]  # fmt: skip
+    body = [
+        (t, s, k)
+        for i, (t, s, k) in enumerate(zip(base.tokens, base.scores, base.types))
+        if i not in special and t not in taken
+    ]
     tokens = tuple(t for t, _ in head) + tuple(t for t, _, _ in body)
     # Gemma's scores do not follow its merge order; its file order does.
     scores = (-1000.0,) * len(head) + tuple(-float(i % 7) for i in range(len(body)))
