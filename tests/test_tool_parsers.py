@@ -210,3 +210,16 @@ def test_tools_described_for_templates_that_ignore_them() -> None:
     text = _render("gemma2.jinja", in_user)
     assert text.startswith("<s><start_of_turn>user\nYou can call these functions:")
     assert text.endswith("Weather in Paris?<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_offline_chat_template_refusal_is_a_value_error(tiny_llama_gguf) -> None:
+    from inferd import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_gguf.path), kv_cache_memory=1 << 20, dtype="float32", device="cpu",
+              verbose=False)  # fmt: skip
+    gemma = (TEMPLATES / "gemma2.jinja").read_text()
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="refuses these messages: System role not supported"):
+        llm.chat(system, SamplingParams(max_tokens=2), chat_template=gemma, use_tqdm=False)
+    [out] = llm.chat(system[1:], SamplingParams(max_tokens=2), chat_template=gemma, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
