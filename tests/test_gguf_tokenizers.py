@@ -6,6 +6,7 @@ the continuation of the prompt."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import gguf
@@ -29,7 +30,10 @@ from inferd.loader import ChatTemplateError, ModelLoadError
 from inferd.loader.gguf_loader import load_gguf_tokenizer
 from inferd.loader.gguf_metadata import read_gguf_metadata
 
-pytest.importorskip("sentencepiece")
+# The tiny SentencePiece vocabularies are trained with the `sentencepiece` package (a test extra).
+needs_sentencepiece = pytest.mark.skipif(
+    importlib.util.find_spec("sentencepiece") is None, reason="sentencepiece is not installed"
+)
 
 # Chat-shaped strings with each family's control tokens, matched whole.
 CHAT_TEXTS = (
@@ -57,6 +61,7 @@ def _assert_same_as_transformers(path: Path, texts: tuple[str, ...]) -> None:
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
 
 
+@needs_sentencepiece
 @pytest.mark.parametrize(
     ("architecture", "vocab"),
     [
@@ -87,6 +92,7 @@ def _round_trips(architecture: str) -> list[str]:
     return [t for t in TEXTS if not t[:1].isspace()]
 
 
+@needs_sentencepiece
 def test_sentencepiece_ids_match_sentencepiece(tmp_path: Path) -> None:
     """The model the vocabulary came from gives the same pieces: with the space prefix (Llama's),
     and without it where the file says add_space_prefix = false."""
@@ -142,6 +148,7 @@ def test_byte_level_ids_match_transformers(tiny_models, hf_transformers, name: s
     _assert_same_as_transformers(tiny_models[name].path, TEXTS)
 
 
+@needs_sentencepiece
 def test_unknown_tokenizer_model_or_pre_is_named(tmp_path: Path) -> None:
     bert = write_tokenizer_gguf(tmp_path / "bert.gguf", "llama", llama2_vocab(model="bert"))
     with pytest.raises(ModelLoadError, match=r"'bert' is not supported.*'gpt2', 'llama'"):
@@ -154,6 +161,7 @@ def test_unknown_tokenizer_model_or_pre_is_named(tmp_path: Path) -> None:
         LLM(str(path), kv_cache_memory=1 << 20, verbose=False)
 
 
+@needs_sentencepiece
 def test_engine_text_continues_the_prompt(tmp_path: Path) -> None:
     """A tiny Llama with a SentencePiece vocabulary: the output text is what the output tokens add
     to the prompt's text (its first token keeps its "▁" as a space). Byte tokens are banned here:
@@ -176,6 +184,7 @@ def test_engine_text_continues_the_prompt(tmp_path: Path) -> None:
     assert spaced >= 1  # the case the prompt context is for
 
 
+@needs_sentencepiece
 def test_detokenizer_takes_any_byte_sequence() -> None:
     """Byte-fallback tokens that form no character, or form one only with the next token, never
     stop a request: a character split across byte tokens comes out whole, stray bytes as U+FFFD,
