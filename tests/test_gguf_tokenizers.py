@@ -216,3 +216,21 @@ def test_detokenizer_takes_any_byte_sequence() -> None:
     assert tok.decode(word + broken + word) == "fox\ufffd\ufffd\ufffd fox"
     assert run(word + broken + word + kanji + word) == " fox`\ufffd\ufffd fox日 fox"
     assert run(word + kanji[:2] + word) == " fox\ufffd\ufffd fox"
+
+
+def test_eos_text_is_not_output(tiny_llama_gguf) -> None:
+    """The EOS that ends a sequence is not part of its text, even with special tokens kept (as
+    for Mistral's tool calls, whose marker is one)."""
+    llm = LLM(str(tiny_llama_gguf.path), kv_cache_memory=1 << 20, dtype="float32", device="cpu",
+              verbose=False)  # fmt: skip
+    eos = tiny_llama_gguf.eos_id
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, logit_bias={eos: 100.0},
+                            skip_special_tokens=False)  # fmt: skip
+    [out] = llm.generate("The quick brown fox", params, use_tqdm=False)
+    done = out.outputs[0]
+    assert done.finish_reason == "stop" and done.token_ids[-1] == eos and len(done.token_ids) == 3
+    assert "<|im_end|>" not in done.text
+    kept = SamplingParams(temperature=0, max_tokens=3, min_tokens=3, ignore_eos=True,
+                          logit_bias={eos: 100.0}, skip_special_tokens=False)  # fmt: skip
+    [out] = llm.generate("The quick brown fox", kept, use_tqdm=False)
+    assert out.outputs[0].text.count("<|im_end|>") == 3  # not ending the text, it stays in it
