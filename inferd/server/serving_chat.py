@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.outputs import RequestOutput
-from inferd.loader.tokenizer import ChatTemplateError
+from inferd.loader.tokenizer import ChatTemplateError, Tokenizer
 from inferd.scheduler.sequence import Logprob
 from inferd.server.errors import APIError, to_api_error
 from inferd.server.protocol import (
@@ -116,19 +116,30 @@ async def render_chat(
         has_calls = any(d.get("tool_calls") for d in dicts)
         if (functions or has_calls) and text == tok.apply_chat_template(dicts, **kwargs):
             parser = parser or state.tool_parser()
-            described = prepare_messages(dicts, functions or {}, parser)
-            try:
-                text = tok.apply_chat_template(described, **kwargs)
-            except ChatTemplateError:
-                if described[0].get("role") == "system" and dicts[0].get("role") != "system":
-                    described = prepare_messages(dicts, functions or {}, parser, system_role=False)
-                    text = tok.apply_chat_template(described, **kwargs)
-                else:
-                    raise
+            text = _render_described(tok, dicts, functions or {}, parser, kwargs)
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
     return await encode(tok, text, add_special_tokens=False)
+
+
+def _render_described(
+    tok: Tokenizer,
+    dicts: list[dict[str, Any]],
+    functions: dict[str, dict[str, Any]],
+    parser: ToolParser,
+    kwargs: dict[str, Any],
+) -> str:
+    """The prompt of a template that ignores tools, told about them: in a system message, or, if
+    the template refuses the one added (Gemma has no system role), in the first user message."""
+    described = prepare_messages(dicts, functions, parser)
+    try:
+        return tok.apply_chat_template(described, **kwargs)
+    except ChatTemplateError:
+        if not functions or dicts[:1] and dicts[0].get("role") == "system":
+            raise  # the system message was the user's own: the refusal is theirs to see
+        described = prepare_messages(dicts, functions, parser, system_role=False)
+        return tok.apply_chat_template(described, **kwargs)
 
 
 def _tools(req: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], str]:
