@@ -146,24 +146,10 @@ def _byte_level(vocab: GGUFVocab, architecture: str) -> HFTokenizer:
     return tok
 
 
-@functools.cache
-def _byte_encoder() -> dict[int, str]:
-    """GPT-2's byte → printable character table (the byte-level alphabet, in byte order)."""
-    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-               *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
-    table, extra = {}, 0
-    for b in range(256):
-        if b in visible:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _byte_spelling(text: str) -> str:
-    enc = _byte_encoder()
-    return "".join(enc[b] for b in text.encode("utf-8"))
+    """`text` in the byte-level alphabet (GPT-2's printable stand-in for each UTF-8 byte)."""
+    spelled = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return "".join(piece for piece, _ in spelled.pre_tokenize_str(text))
 
 
 # ---- SentencePiece ("llama") -------------------------------------------------------------------
