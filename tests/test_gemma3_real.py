@@ -3,8 +3,8 @@ HF transformers' loading the same GGUF (`--quantization none`: both dequantize t
 short prompts and one longer than the local layers' 512-token window, batched, in 128-token
 chunks, and again from the prefix cache.
 
-The prompts go in as token ids from transformers' tokenizer of the file: the engine's own GGUF
-tokenizer for SentencePiece (`llama`) vocabularies is not part of this test.
+The prompts go in as text through inferd's own tokenizer of the file (SentencePiece, rebuilt from
+the GGUF's vocabulary), whose ids must equal transformers' ids for them.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import functools
 
 import pytest
 import torch
+from real_model import gemma3_gguf
 
 from inferd import LLM, SamplingParams
 from inferd.loader import load_model
-from inferd.loader.gemma3_model import gemma3_model_path
-from inferd.loader.tokenizer import Tokenizer
 from inferd.models import model_spec
 
 transformers = pytest.importorskip("transformers")
@@ -35,10 +34,12 @@ _PARAGRAPH = (
     "water. Boats moved between the houses, carrying bread, blankets and the old. "
 )
 
+TEXTS = [*PROMPTS, _PARAGRAPH * 20 + "What happened to the town?"]
+
 
 @functools.cache
 def _hf():
-    path = gemma3_model_path()
+    path = gemma3_gguf()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
@@ -49,10 +50,9 @@ def _hf():
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[list[int]]:
     tok, _ = _hf()
-    ids = [tok.encode(p) for p in PROMPTS]
-    long = tok.encode(_PARAGRAPH * 20 + "What happened to the town?")
-    assert len(long) > 600, "the long prompt must pass the local layers' 512-token window"
-    return [*ids, long]
+    ids = [tok.encode(p) for p in TEXTS]
+    assert len(ids[-1]) > 600, "the long prompt must pass the local layers' 512-token window"
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +73,13 @@ def reference(prompt_ids) -> list[tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def loaded():
-    loaded = load_model(
-        gemma3_model_path(), quantization="none", with_tokenizer=False, verbose=False
-    )
+    return load_model(gemma3_gguf(), quantization="none", verbose=False)
+
+
+def test_tokenizer_gives_transformers_ids(loaded):
     tok, _ = _hf()
-    loaded.tokenizer = Tokenizer(tok.backend_tokenizer, bos_token_id=2, eos_token_ids=(1,),
-                                 add_bos_token=False, chat_template=None)  # fmt: skip
-    return loaded
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == tok.encode(text), text
 
 
 def test_spec_of_the_real_file(loaded):
@@ -90,12 +90,12 @@ def test_spec_of_the_real_file(loaded):
     assert loaded.config.head_dim == 256 and loaded.config.vocab_size == 262144
 
 
-def test_greedy_matches_transformers(loaded, prompt_ids, reference):
+def test_greedy_matches_transformers(loaded, reference):
     llm = LLM(loaded=loaded, quantization="none", verbose=False, kv_cache_memory=64 << 20,
               max_num_batched_tokens=128, enable_prefix_caching=True)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": i} for i in prompt_ids], params, use_tqdm=False)
-    again = llm.generate([{"prompt_token_ids": prompt_ids[-1]}], params, use_tqdm=False)
+    outs = llm.generate(TEXTS, params, use_tqdm=False)  # inferd's tokenizer: same ids as HF's
+    again = llm.generate([TEXTS[-1]], params, use_tqdm=False)
     assert llm.engine.stats.prefix_cache_hits_total > 0
     for i, (o, (want, clear)) in enumerate(zip([*outs, *again], [*reference, reference[-1]])):
         assert clear >= NEW_TOKENS // 2, f"prompt {i}: the reference's logits tie at {clear}"

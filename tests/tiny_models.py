@@ -17,6 +17,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -93,7 +94,7 @@ KQUANT_SPEC = TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediat
 class TinyModel:
     path: Path
     spec: TinySpec
-    tokenizer: Tokenizer  # the HF `tokenizers` tokenizer the model was written with
+    tokenizer: Tokenizer | None  # the HF `tokenizers` tokenizer the model was written with
     # What a correct loader returns: HF names, fp32 (dequantized where the file is quantized).
     weights: dict[str, torch.Tensor]
     # The random fp32 weights before any quantization (equal to `weights` for F32 files).
@@ -277,13 +278,19 @@ def write_gguf(
     *,
     architecture: str | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    vocab: Any = None,
 ) -> TinyModel:
     """Write a GGUF like convert_hf_to_gguf.py would. `architecture` overrides general.architecture
-    (to write files of an architecture the engine does not support)."""
-    tok = build_tokenizer(spec.pre)
-    vocab = tok.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    (to write files of an architecture the engine does not support). `vocab` (with `tokens` and
+    `write(writer)`, as tiny_tokenizers' SentencePiece vocabularies) replaces the byte-level BPE
+    vocabulary; the model's `tokenizer` is then None."""
+    tok = build_tokenizer(spec.pre) if vocab is None else None
+    if tok is not None:
+        ids = tok.get_vocab(with_added_tokens=True)
+        tokens = [t for t, _ in sorted(ids.items(), key=lambda kv: kv[1])]
+        assert [ids[t] for t in tokens] == list(range(len(tokens)))
+    else:
+        tokens = list(vocab.tokens)
     sd = state_dict if state_dict is not None else make_state_dict(spec, len(tokens))
     arch = architecture or spec.arch
 
@@ -302,7 +309,10 @@ def write_gguf(
     ftype = gguf.LlamaFileType
     w.add_file_type(ftype.ALL_F32 if quant == "f32" else ftype.MOSTLY_Q4_K_M if quant == "kquants"
                     else ftype.MOSTLY_Q8_0)  # fmt: skip
-    add_gguf_tokenizer(w, tok, spec.pre)
+    if tok is None:
+        vocab.write(w)
+    else:
+        add_gguf_tokenizer(w, tok, spec.pre)
 
     expected: dict[str, torch.Tensor] = {}
     types: dict[str, QType] = {}

@@ -252,7 +252,7 @@ class EngineCore:
             pending_forks=params.n - 1,
             logprobs=[] if params.logprobs is not None else None,
             matcher=matcher,
-            detok=IncrementalDetokenizer(self.tokenizer, params),
+            detok=IncrementalDetokenizer(self.tokenizer, params, token_ids),
         )
         prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, prompt_text, list(token_ids), params, RequestMetrics(arrival_time=now))
@@ -354,7 +354,9 @@ class EngineCore:
         children = []
         for index in range(1, parent.pending_forks + 1):
             child = parent.fork(index, self._generator(parent.params, index))
-            child.detok = IncrementalDetokenizer(self.tokenizer, parent.params)
+            child.detok = IncrementalDetokenizer(
+                self.tokenizer, parent.params, parent.token_ids[: parent.num_prompt_tokens]
+            )
             request.seqs.append(child)
             self.spec.fork(parent, child)
             children.append(child)

@@ -27,7 +27,7 @@ from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel
 from inferd.quantization.formats import QuantizedWeight
 
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 3  # bumped whenever what a conversion stores changes (weights, tokenizer)
 
 
 def _entry(path: Path, keep_quantized: bool = False) -> Path:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,13 @@ import torch
 from tqdm import tqdm
 
 from inferd.config import ModelConfig
-from inferd.loader.gguf_tokenizer import UnsupportedTokenizerError, build_gguf_tokenizer
+from inferd.loader.chat_templates import default_chat_template
+from inferd.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
+from inferd.loader.gguf_tokenizer import (
+    GGUFVocab,
+    UnsupportedTokenizerError,
+    build_gguf_tokenizer,
+)
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
 from inferd.quantization.formats import GGUF_PACKED, QuantizedWeight, from_gguf_blocks
@@ -243,27 +251,63 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
     )
 
 
-def _tokenizer(reader: Any, config: ModelConfig) -> Tokenizer:
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+# Control tokens that end a chat turn, by the families' spelling (Gemma's "<end_of_turn>", Llama 3's
+# "<|eot_id|>", ChatML's "<|im_end|>", Phi-3's "<|end|>"): generation stops at them as at EOS, as in
+# llama.cpp, even where the file names only the end of the document as EOS.
+_TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+_CONTROL_TOKEN = 3
+
+
+Metadata = Callable[..., Any]  # get(key, default=None): a metadata value of the file
+
+
+def gguf_vocab(get: Metadata) -> GGUFVocab:
+    """The file's `tokenizer.ggml.*` fields; ModelLoadError if it has no vocabulary."""
+    tokens = get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError("GGUF file has no tokenizer.ggml.tokens; cannot build a tokenizer")
+    return GGUFVocab(
+        model=get("tokenizer.ggml.model", "gpt2"),
+        pre=get("tokenizer.ggml.pre", "default"),
+        tokens=tokens,
+        token_types=get("tokenizer.ggml.token_type", [1] * len(tokens)),
+        scores=get("tokenizer.ggml.scores"),
+        merges=get("tokenizer.ggml.merges"),
+        unk_id=get("tokenizer.ggml.unknown_token_id"),
+        add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+    )
+
+
+def gguf_tokenizer(get: Metadata) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes: vocabulary, BOS / EOS ids, the BOS rule and
+    the chat template as the file states them (a SentencePiece file that does not say adds BOS, as
+    llama.cpp and transformers do; a file without a template gets its family's, where one is
+    known)."""
+    vocab = gguf_vocab(get)
+    arch = str(get("general.architecture", "") or "")
     try:
-        hf = build_gguf_tokenizer(
-            model=_field(reader, "tokenizer.ggml.model", "gpt2"),
-            pre=_field(reader, "tokenizer.ggml.pre", "default"),
-            tokens=tokens,
-            merges=_field(reader, "tokenizer.ggml.merges", []),
-            token_types=_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
-        )
+        hf = build_gguf_tokenizer(vocab, arch)
     except UnsupportedTokenizerError as e:
         raise ModelLoadError(str(e)) from e
+    named = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    turn_ends = [hf.token_to_id(t) for t in _TURN_ENDS]
+    turn_ends = [i for i in turn_ends if i is not None and vocab.token_types[i] == _CONTROL_TOKEN]
     return Tokenizer(
         hf,
-        bos_token_id=config.bos_token_id,
-        eos_token_ids=config.eos_token_ids,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in (*named, *turn_ends) if i is not None)),
+        add_bos_token=bool(get("tokenizer.ggml.add_bos_token", vocab.model == "llama")),
+        chat_template=get("tokenizer.chat_template") or default_chat_template(arch),
     )
+
+
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """Only the tokenizer of a GGUF file: its metadata is read, its tensors are not."""
+    try:
+        metadata = read_gguf_metadata(path)
+        return gguf_tokenizer(metadata.get)
+    except (GGUFMetadataError, ModelLoadError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -317,7 +361,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     config = _model_config(reader, arch, len(tokens))
     _check_tensors([t.name for t in reader.tensors], arch, config.num_layers)
-    tokenizer = _tokenizer(reader, config) if with_tokenizer else None
+    tokenizer = gguf_tokenizer(functools.partial(_field, reader)) if with_tokenizer else None
     permuted = arch in _PERMUTED_ROPE
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     types: Counter[str] = Counter()

@@ -161,6 +161,21 @@ def _special_id(tok: HFTokenizer, value: Any) -> int | None:
     return tok.token_to_id(value) if isinstance(value, str) else None
 
 
+def _chat_template(directory: Path, tcfg: dict[str, Any]) -> str | None:
+    """The template as the directory ships it: tokenizer_config.json's `chat_template` (a named
+    list: its "default"), else chat_template.jinja or chat_template.json (newer transformers)."""
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template:
+        return template
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    js = directory / "chat_template.json"
+    return _read_json(js).get("chat_template") if js.is_file() else None
+
+
 def hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
@@ -171,18 +186,19 @@ def hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from e
     tcfg_path = directory / "tokenizer_config.json"
     tcfg = _read_json(tcfg_path) if tcfg_path.is_file() else {}
-    template = tcfg.get("chat_template")
-    if isinstance(template, list):  # named templates: take "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
     bos = _special_id(hf, tcfg.get("bos_token"))
+    bos = bos if bos is not None else config.bos_token_id
     eos = _special_id(hf, tcfg.get("eos_token"))
     eos_ids = tuple(dict.fromkeys([*config.eos_token_ids, *([eos] if eos is not None else [])]))
+    add_bos = tcfg.get("add_bos_token")
+    if add_bos is None:  # Llama 3 and others say it in tokenizer.json's post-processor instead
+        add_bos = bos is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos]
     return Tokenizer(
         hf,
-        bos_token_id=bos if bos is not None else config.bos_token_id,
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
-        add_bos_token=bool(tcfg.get("add_bos_token", False)),
-        chat_template=template,
+        add_bos_token=bool(add_bos),
+        chat_template=_chat_template(directory, tcfg),
     )
 
 

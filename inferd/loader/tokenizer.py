@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
 from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -17,17 +19,47 @@ class ChatTemplateError(ValueError):
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+    # A template's own refusal (Gemma: no system role; roles that do not alternate).
+    raise ChatTemplateError(f"the chat template refuses these messages: {message}")
 
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' `tojson` (templates call it with these keywords); Jinja's own escapes HTML.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks the assistant's tokens for training masks
+    (transformers); rendering a prompt keeps the body as it is."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def _compile_template(source: str):
     # A chat template is untrusted input (GGUF files come from strangers): render it in Jinja's
-    # immutable sandbox, which refuses attribute access to Python internals and mutation.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # immutable sandbox, which refuses attribute access to Python internals and mutation. The
+    # rest is what transformers gives templates: trimmed blocks, break/continue, raise_exception,
+    # strftime_now, tojson.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+    )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
@@ -35,12 +67,6 @@ def _compile_template(source: str):
         return env.from_string(source)
     except TemplateError as e:
         raise ChatTemplateError(f"chat template does not compile: {e}") from e
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    import json
-
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 class Tokenizer:
@@ -87,9 +113,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

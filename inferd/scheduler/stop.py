@@ -19,10 +19,13 @@ class StopCriteria:
         grammar's and the length limits."""
         p = seq.params
         seq.token_ids.append(token)
-        stop_str = seq.detok.add_token(token) if seq.detok is not None else None
-        grammar_done = seq.matcher is not None and seq.matcher.advance(token)
         can_stop = seq.num_output_tokens >= p.min_tokens
-        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+        eos = can_stop and not p.ignore_eos and token in self.eos_token_ids
+        # The EOS that ends the text is not part of it (as in vLLM; it shows when special tokens
+        # are kept, as for tool calls whose marker is one).
+        stop_str = seq.detok.add_token(token) if seq.detok is not None and not eos else None
+        grammar_done = seq.matcher is not None and seq.matcher.advance(token)
+        if eos:
             seq.finish_reason = "stop"
         elif can_stop and p.stop_token_ids and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token

@@ -48,14 +48,18 @@ def build_app(
     max_log_len: int | None = None,
     log_requests: bool = True,
     on_ready: Any = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """An app serving `engine` (not started yet: the app's lifespan starts and stops it).
 
     `on_ready(engine)` is called once the model has loaded (the CLI logs the startup line there).
+    `tool_call_parser`: how tool calls are read from outputs (a name in TOOL_PARSERS, or "auto").
     """
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
     engine.observer = metrics
-    state = ServerState(engine, served_model_names, metrics, max_log_len, log_requests)
+    state = ServerState(
+        engine, served_model_names, metrics, max_log_len, log_requests, tool_call_parser
+    )
     # Set once the startup line is logged: /health says 200 only then, so whatever waits for it
     # (a supervisor, a test) finds the line (on uvloop the health request could run first).
     started = threading.Event()

@@ -7,6 +7,7 @@ import logging
 
 from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from inferd.structured.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger("inferd.server")
 
@@ -62,6 +63,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=1,
         help="tokens per streamed chunk after the first, which always goes at once (SGLang's "
         "flag): fewer, larger chunks cost the server and its clients less CPU per token",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_CHOICES,
+        default="auto",
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), mistral "
+        '([TOOL_CALLS][...]), llama3_json ({"name": ..., "parameters": ...}); auto: from '
+        "the chat template's markers, hermes when it shows none",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
@@ -143,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_log_len=args.max_log_len,
         log_requests=not args.disable_log_requests,
         on_ready=on_ready,
+        tool_call_parser=args.tool_call_parser,
     )
     logger.info("starting the server on %s; loading the model", url)
     uvicorn.run(

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.outputs import RequestOutput
-from inferd.loader.tokenizer import ChatTemplateError
+from inferd.loader.tokenizer import ChatTemplateError, Tokenizer
 from inferd.scheduler.sequence import Logprob
 from inferd.server.errors import APIError, to_api_error
 from inferd.server.protocol import (
@@ -44,13 +44,12 @@ from inferd.server.serving_common import (
     structured_spec,
     until_disconnected,
 )
+from inferd.structured.tool_parsers import CallStream, ToolParser
 from inferd.structured.tools import (
     ToolError,
     check_tools,
     chosen,
     forced_call_spec,
-    may_become_call,
-    parse_tool_calls,
     prepare_messages,
 )
 
@@ -101,11 +100,14 @@ async def render_chat(
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
     functions: dict[str, dict[str, Any]] | None = None,
+    parser: ToolParser | None = None,
 ) -> list[int]:
-    """The prompt's token ids; a template that fails or escapes the sandbox is a 400.
+    """The prompt's token ids; a template that fails, refuses the messages (its
+    `raise_exception`) or escapes the sandbox is a 400 naming the reason.
 
-    `functions` (the checked tools): a template that ignores `tools` gets them described in the
-    system message instead, and past tool calls written into the assistant turns."""
+    `functions` (the checked tools): a template that ignores `tools` gets them described, in
+    `parser`'s call format, in the system message (or the first user message, for a template
+    without a system role) instead, and past tool calls written into the assistant turns."""
     tok = state.tokenizer
     try:
         dicts = message_dicts(messages)
@@ -113,12 +115,31 @@ async def render_chat(
         text = tok.apply_chat_template(dicts, tools=tools, **kwargs)
         has_calls = any(d.get("tool_calls") for d in dicts)
         if (functions or has_calls) and text == tok.apply_chat_template(dicts, **kwargs):
-            dicts = prepare_messages(dicts, functions or {}, template_knows_tools=False)
-            text = tok.apply_chat_template(dicts, **kwargs)
+            parser = parser or state.tool_parser()
+            text = _render_described(tok, dicts, functions or {}, parser, kwargs)
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
     return await encode(tok, text, add_special_tokens=False)
+
+
+def _render_described(
+    tok: Tokenizer,
+    dicts: list[dict[str, Any]],
+    functions: dict[str, dict[str, Any]],
+    parser: ToolParser,
+    kwargs: dict[str, Any],
+) -> str:
+    """The prompt of a template that ignores tools, told about them: in a system message, or, if
+    the template refuses the one added (Gemma has no system role), in the first user message."""
+    described = prepare_messages(dicts, functions, parser)
+    try:
+        return tok.apply_chat_template(described, **kwargs)
+    except ChatTemplateError:
+        if not functions or dicts[:1] and dicts[0].get("role") == "system":
+            raise  # the system message was the user's own: the refusal is theirs to see
+        described = prepare_messages(dicts, functions, parser, system_role=False)
+        return tok.apply_chat_template(described, **kwargs)
 
 
 def _tools(req: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], str]:
@@ -172,6 +193,7 @@ async def create_chat_completion(
     if structured is not None and structured_spec(req) is not None:
         raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
                        "response_format or guided_*", param="tool_choice")  # fmt: skip
+    parser = state.tool_parser() if functions else None
     ids = await render_chat(
         state,
         req.messages,
@@ -179,6 +201,7 @@ async def create_chat_completion(
         tools=req.tools if functions else None,
         extra=req.chat_template_kwargs,
         functions=functions,
+        parser=parser,
     )
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_length(len(ids), wanted, state.max_model_len, "messages")
@@ -190,6 +213,8 @@ async def create_chat_completion(
         aliases=_CHAT_ALIASES,
         structured=structured,
     )
+    if parser is not None and parser.needs_special_tokens:
+        params.skip_special_tokens = False  # the call marker is a special token
     request_id = random_id("chatcmpl")
     created = now_s()
     streams = await add_requests(
@@ -213,10 +238,13 @@ async def create_chat_completion(
             include_usage,
             top if req.logprobs else None,
             functions,
+            parser,
         )
         return EngineStreamingResponse(stream_with_errors(body), streams)
     output = await until_disconnected(raw, _collect(streams[0]))
-    response = _response(request_id, created, model, output, top if req.logprobs else None, functions)
+    response = _response(
+        request_id, created, model, output, top if req.logprobs else None, functions, parser
+    )
     return JSONResponse(response.model_dump(exclude_none=False))
 
 
@@ -234,13 +262,14 @@ def _response(
     out: RequestOutput,
     top: int | None,
     functions: dict[str, dict[str, Any]] | None = None,
+    parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         logprobs = None
         if top is not None and o.logprobs is not None:
             logprobs = ChatLogprobs(content=_logprob_entries(o.token_ids, o.logprobs, top))
-        content, calls = parse_tool_calls(o.text, functions) if functions else (o.text, [])
+        content, calls = parser.parse(o.text, functions) if functions and parser else (o.text, [])
         message = ChatResponseMessage(content=content)
         finish = o.finish_reason
         if calls:
@@ -277,6 +306,7 @@ async def _stream(
     include_usage: bool,
     top: int | None,
     functions: dict[str, dict[str, Any]] | None = None,
+    parser: ToolParser | None = None,
 ) -> AsyncIterator[bytes]:
     base: dict[str, Any] = {
         "id": request_id,
@@ -304,10 +334,9 @@ async def _stream(
         yield chunk(index, {"role": "assistant", "content": ""})
     num_completion = 0
     num_cached = 0
-    # With tools: text that may still become a tool call is held back until it can't or the
-    # choice ends; calls then go out as `delta.tool_calls` fragments.
-    held: dict[int, str] = {}
-    flushed: set[int] = set()
+    # With tools: text from where a tool call may begin is held back until the choice ends; calls
+    # then go out as `delta.tool_calls` fragments.
+    calls_of: dict[int, CallStream] = {}
     async for _, update in merge_streams([stream]):
         if update.output is not None and update.output.metrics is not None:
             num_cached = update.output.metrics.num_cached_tokens
@@ -322,25 +351,21 @@ async def _stream(
                     ]
                 }
             text_delta = d.text_delta
-            if functions and d.index not in flushed:
-                text = held.get(d.index, "") + text_delta
-                if d.finish_reason is None and may_become_call(text):
-                    held[d.index] = text
-                    continue
-                held.pop(d.index, None)
-                content, calls = parse_tool_calls(text, functions) if d.finish_reason else (text, [])
-                if not calls:
-                    flushed.add(d.index)
-                    text_delta = content or ""
-                else:
-                    if content:
-                        yield chunk(d.index, {"content": content})
-                    for i, call in enumerate(calls):
-                        for piece in _tool_call_fragments(i, call):
-                            yield chunk(d.index, {"tool_calls": [piece]})
-                    finish = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
-                    yield chunk(d.index, {}, logprobs, finish, d.stop_reason)
-                    continue
+            if functions and parser is not None:
+                calls_stream = calls_of.setdefault(d.index, CallStream(parser, functions))
+                text_delta = calls_stream.feed(text_delta)
+                if d.finish_reason is not None:
+                    tail, calls = calls_stream.finish()
+                    text_delta += tail
+                    if calls:
+                        if text_delta:
+                            yield chunk(d.index, {"content": text_delta})
+                        for i, call in enumerate(calls):
+                            for piece in _tool_call_fragments(i, call):
+                                yield chunk(d.index, {"tool_calls": [piece]})
+                        finish = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+                        yield chunk(d.index, {}, logprobs, finish, d.stop_reason)
+                        continue
             if not text_delta and d.finish_reason is None and logprobs is None:
                 continue  # text held back (a possible stop string, a partial UTF-8 character)
             delta = {"content": text_delta} if text_delta or logprobs else {}

@@ -22,6 +22,7 @@ from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import _SamplingFields
 from inferd.structured import StructuredOutputsParams
+from inferd.structured.tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("inferd.server")
 
@@ -42,6 +43,7 @@ class ServerState:
     metrics: ServerMetrics
     max_log_len: int | None = None
     log_requests: bool = True
+    tool_call_parser: str = "auto"  # --tool-call-parser: a name in TOOL_PARSERS, or "auto"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -77,6 +79,10 @@ class ServerState:
         info = self.ready_engine().info
         assert info is not None
         return info.tokenizer  # the front end's own copy: encode/decode/render are pure
+
+    def tool_parser(self) -> ToolParser:
+        """How this model writes tool calls: the flag's choice, or the chat template's markers."""
+        return tool_parser(self.tool_call_parser, self.tokenizer.chat_template)
 
     @property
     def max_model_len(self) -> int:

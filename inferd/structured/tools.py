@@ -1,22 +1,22 @@
 """OpenAI tool calling on top of grammars: checking `tools` / `tool_choice`, telling a model whose
-chat template ignores tools about them, the grammar that forces a call, and parsing calls back.
+chat template ignores tools about them, and the grammar that forces a call.
 
-The call format the model is asked for (Hermes-style, which many small instruct models know):
-    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
-With `tool_choice` "required" or a named function the output is instead constrained to bare JSON:
-one `{"name", "arguments"}` object (named) or a non-empty array of them (required), the arguments
-matching the function's parameter schema. `parse_tool_calls` reads both forms.
+With `tool_choice` "required" or a named function the output is constrained to bare JSON: one
+`{"name", "arguments"}` object (named) or a non-empty array of them (required), the arguments
+matching the function's parameter schema. Otherwise the model writes calls in its family's format;
+`tool_parsers` reads both back.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inferd.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from inferd.structured.tool_parsers import ToolParser
 
 
 class ToolError(ValueError):
@@ -109,100 +109,32 @@ def forced_call_spec(choice: str, functions: dict[str, dict[str, Any]],
     return StructuredOutputsParams(json=array)
 
 
-def tools_prompt(functions: dict[str, dict[str, Any]]) -> str:
-    """A system-prompt section describing the tools, for templates that ignore `tools`."""
-    lines = ["You can call these functions:"]
-    for name, fn in functions.items():
-        sig = {
-            "name": name,
-            "description": fn.get("description", ""),
-            "parameters": fn["parameters"],
-        }
-        lines.append(json.dumps(sig, ensure_ascii=False))
-    lines.append('To call one, reply with only <tool_call>{"name": <function name>, "arguments": '
-                 "<arguments object>}</tool_call>. Otherwise answer normally.")  # fmt: skip
-    return "\n".join(lines)
-
-
 def prepare_messages(messages: list[dict[str, Any]], functions: dict[str, dict[str, Any]],
-                     template_knows_tools: bool) -> list[dict[str, Any]]:  # fmt: skip
-    """Messages for a template without tool support: the tools in the system message, earlier
-    assistant tool calls written out as text (the template would drop them)."""
-    if template_knows_tools:
-        return messages
+                     parser: ToolParser, system_role: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    """Messages for a template that ignores `tools`: the tools and how to call them (in `parser`'s
+    format) in the system message, or at the head of the first user message where the template
+    has no system role; earlier assistant tool calls written out as text (the template would drop
+    them)."""
+    from inferd.structured.tool_parsers import instruction_for
+
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = "".join(
-                "<tool_call>" + json.dumps({"name": c.get("function", {}).get("name"),
-                                            "arguments": _loads(c.get("function", {}).get("arguments"))})
-                + "</tool_call>" for c in m["tool_calls"]
-            )  # fmt: skip
-            m = {**m, "content": (m.get("content") or "") + calls}
-            m.pop("tool_calls")
+            calls = parser.render_calls(m["tool_calls"])
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m.get("content") or "") + calls
         out.append(m)
-    if functions:
-        section = tools_prompt(functions)
+    if not functions:
+        return out
+    section = instruction_for(parser, functions)
+    if system_role:
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".strip()}
         else:
             out.insert(0, {"role": "system", "content": section})
+        return out
+    first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
+    if first_user is not None:
+        m = out[first_user]
+        out[first_user] = {**m, "content": f"{section}\n\n{m.get('content') or ''}"}
     return out
-
-
-def _loads(text: Any) -> Any:
-    try:
-        return json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError:
-        return text
-
-
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def _as_calls(value: Any, functions: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not (isinstance(item, dict) and item.get("name") in functions):
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):
-            args = _loads(args)
-        if not isinstance(args, dict):
-            return None
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", item["name"],
-                              json.dumps(args, ensure_ascii=False)))  # fmt: skip
-    return calls or None
-
-
-def parse_tool_calls(
-    text: str, functions: dict[str, dict[str, Any]]
-) -> tuple[str | None, list[ToolCall]]:
-    """(content left, tool calls) of a model output; no calls → (text, [])."""
-    stripped = text.strip()
-    if stripped.startswith(("{", "[")):
-        try:
-            calls = _as_calls(json.loads(stripped), functions)
-        except json.JSONDecodeError:
-            calls = None
-        if calls:
-            return None, calls
-    if "<tool_call>" in text:
-        calls = []
-        for body in _TAGGED.findall(text):
-            try:
-                found = _as_calls(json.loads(body), functions)
-            except json.JSONDecodeError:
-                found = None
-            calls.extend(found or [])
-        if calls:
-            content = _TAGGED.sub("", text).strip()
-            return content or None, calls
-    return text, []
-
-
-def may_become_call(text: str) -> bool:
-    """Could this output prefix still turn into a tool call? (streaming holds it back if so)."""
-    s = text.lstrip()
-    return not s or s.startswith(("{", "[", "<tool_call>")) or "<tool_call>".startswith(s[:11])
