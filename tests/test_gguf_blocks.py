@@ -267,7 +267,7 @@ def test_tiny_kquant_model_int8_activations_tiles_and_fused_step(tiny_models, mo
     """With int8 activations the packed tiles (where the CPU has them) generate the row layout's
     tokens and logprobs, and the one-call C++ decode step the Python layer loop's."""
     from inferd.engine import model_runner
-    from inferd.models import llama
+    from inferd.models import decoder, llama
 
     monkeypatch.setattr(formats, "INT8_ACTIVATIONS", True)
     path = tiny_models["llama-kquants.gguf"].path
@@ -289,7 +289,7 @@ def test_tiny_kquant_model_int8_activations_tiles_and_fused_step(tiny_models, mo
         m.setattr(model_runner, "pack_quantized_weights", lambda model: 0)
         assert _generate(_llm(path), prompts, logprobs=True) == got
     with monkeypatch.context() as m:
-        m.setattr(llama, "FUSED_DECODE", False)
+        m.setattr(decoder, "FUSED_DECODE", False)
         assert _generate(_llm(path), prompts, logprobs=True) == got
 
 
