@@ -19,15 +19,12 @@ extension), the spec passed along: the same kernels in the same order, so the sa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferd.config import ModelConfig
-from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import QuantizedKV
 from inferd.layers.attention import (
     KERNEL_CALL_ROWS,
@@ -36,6 +33,8 @@ from inferd.layers.attention import (
     select_attention_backend,
 )
 from inferd.layers.linear import Embedding, Linear
+from inferd.layers.mlp import MLP, select_act_mul
+from inferd.layers.moe import SparseMoE
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
@@ -74,8 +73,11 @@ class Attention(nn.Module):
         self.kv_size = self.n_kv * self.head_dim
         # q, k and v in one matmul: one pass over the input instead of three.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        # qk-norm over each head, or (OLMoE) over the whole q and k projections
+        self.qk_norm_all = spec.qk_norm and spec.qk_norm_span == "all"
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_all else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = spec.attn_scale
         self.window = spec.sliding_window
@@ -94,9 +96,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        cos, sin = ropes[self.rope_index]
+        if self.qk_norm_all:
+            q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
+            q = self.rotate(self.q_norm.forward(q).view(t, self.n_heads, self.head_dim), cos, sin)
+            k = self.rotate(self.k_norm.forward(k).view(t, self.n_kv, self.head_dim), cos, sin)
+            return self._attend(q, k, v, kv_cache, meta)
         qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
         qk = qk.view(t, self.n_heads + self.n_kv, self.head_dim)
-        cos, sin = ropes[self.rope_index]
         if self.q_norm is None:
             # q and k heads rotate together: one set of elementwise ops instead of two.
             q, k = self.rotate(qk, cos, sin).split_with_sizes([self.n_heads, self.n_kv], 1)
@@ -104,50 +111,14 @@ class Attention(nn.Module):
             q, k = qk.split_with_sizes([self.n_heads, self.n_kv], 1)
             q = self.rotate(self.q_norm.forward(q), cos, sin)
             k = self.rotate(self.k_norm.forward(k), cos, sin)
+        return self._attend(q, k, v, kv_cache, meta)
+
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
         v = v.view(t, self.n_kv, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
                                  self.softcap)  # fmt: skip
         return self.o_proj.forward(o.reshape(t, self.q_size))
-
-
-ActMul = Callable[[torch.Tensor], torch.Tensor]
-
-
-def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate/up side by side [T, 2I] → [T, I], in PyTorch ops."""
-    gate, up = gu.split_with_sizes([gu.shape[-1] // 2] * 2, -1)
-    return F.silu(gate).mul_(up)  # silu's output is fresh: in place
-
-
-def gelu_tanh_mul_torch(gu: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up, as `silu_mul_torch`."""
-    gate, up = gu.split_with_sizes([gu.shape[-1] // 2] * 2, -1)
-    return F.gelu(gate, approximate="tanh").mul_(up)
-
-
-def select_act_mul(activation: str, device: torch.device, dtype: torch.dtype) -> ActMul:
-    """The activation-mul op of a model of `dtype` on `device`: for fp32 on the CPU with the C++
-    kernels one loop (csrc/layer_ops.h), as the fused decode step runs it."""
-    ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
-    if activation == "silu":
-        return ext.silu_mul if ext is not None else silu_mul_torch
-    return ext.gelu_tanh_mul if ext is not None else gelu_tanh_mul_torch
-
-
-def select_silu_mul(device: torch.device, dtype: torch.dtype) -> ActMul:
-    return select_act_mul("silu", device, dtype)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
-        self.act_mul: ActMul | None = None  # select_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -162,7 +133,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, spec, rope_index)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg.hidden_size, spec.moe)
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
 
     def forward(self, x, ropes, kv_cache, meta) -> torch.Tensor:
@@ -189,6 +160,10 @@ class DecoderForCausalLM(nn.Module):
     }
     FUSED_QKV: ClassVar[bool] = False  # the checkpoint holds self_attn.qkv_proj (Phi-3)
     FUSED_GATE_UP: ClassVar[bool] = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
+    # A mixture's checkpoint names under model.layers.{i}.: its module, and each expert's gate,
+    # up and down projections (under {MOE_MODULE}.experts.{e}.).
+    MOE_MODULE: ClassVar[str] = "mlp"
+    EXPERT_NAMES: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
 
     @classmethod
     def spec_for(cls, cfg: ModelConfig) -> ModelSpec:
@@ -219,6 +194,10 @@ class DecoderForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
         self._embed_scale: float | None = spec.embed_scale
+        # Layers the fused C++ step does not compute (mixtures, qk-norm over all heads) run in
+        # Python on every step.
+        self._python_only = any(s.moe is not None or (s.qk_norm and s.qk_norm_span != "head")
+                                for s in spec.layers)  # fmt: skip
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -247,7 +226,7 @@ class DecoderForCausalLM(nn.Module):
         for layer, spec in zip(self.layers, self.spec.layers):
             layer.self_attn.backend = backend
             layer.self_attn.rotate = rotate
-            layer.mlp.act_mul = select_act_mul(spec.activation, device, dtype)
+            layer.mlp.set_act_mul(select_act_mul(spec.activation, device, dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -284,13 +263,14 @@ class DecoderForCausalLM(nn.Module):
         """Whether `decode_layers` runs this step: every row in the kernel group (whose extension
         holds it), fp32 rows, a cache it reads (plain, 2-byte or quantized), int8 activations
         where weights are packed into tiles (tiles have no fp32-activation kernel), and no more
-        rows than one attention kernel call takes (the C++ step attends all its rows in one)."""
+        rows than one attention kernel call takes (the C++ step attends all its rows in one), in
+        a model whose every layer it computes (not mixtures)."""
         kg = meta.kernel_group
         return (kg is not None and meta.group is None and not meta.prefills
                 and x.dtype == torch.float32
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= KERNEL_CALL_ROWS)  # fmt: skip
+                and x.shape[0] <= KERNEL_CALL_ROWS and not self._python_only)  # fmt: skip
 
     def _fused_weights(self, ext) -> tuple[list, list]:
         """The layers' weights and specs as decoder_layers takes them (built once)."""
@@ -354,6 +334,43 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _load_moe(self, src: str, dst: str, moe, take, put, put_linear) -> None:
+        """One mixture layer's router (kept fp32: routing decides which weights run at all),
+        experts and shared expert, from per-expert tensors (`{MOE_MODULE}.experts.{e}.*`) or
+        stacked ones under `mlp.experts.` (transformers' `gate_up_proj` [E, 2I, H] and
+        `down_proj`; or the GGUF loader's `gate_proj` / `up_proj` / `down_proj`, packed weights
+        with the experts' rows one after another)."""
+        stacked = f"{src}mlp.experts.down_proj" in self._weight_names
+        mod = f"{src}mlp." if stacked else f"{src}{self.MOE_MODULE}."
+        router = take(f"{mod}gate.weight")
+        put(f"{dst}gate.weight", router if isinstance(router, torch.Tensor) else linear_weight([router], "none"))
+        gate, up, down = self.EXPERT_NAMES
+
+        def expert(name: str, e: int):
+            w = take(f"{mod}experts.{name}")
+            if isinstance(w, QuantizedWeight):
+                rows = w.shape[0] // moe.num_experts
+                return w.rows(torch.arange(e * rows, (e + 1) * rows))
+            return w[e]
+
+        for e in range(moe.num_experts):
+            if not stacked:
+                gate_up = [take(f"{mod}experts.{e}.{gate}.weight"), take(f"{mod}experts.{e}.{up}.weight")]
+                down_w = take(f"{mod}experts.{e}.{down}.weight")
+            elif f"{mod}experts.gate_up_proj" in self._weight_names:
+                gate_up, down_w = [expert("gate_up_proj", e)], expert("down_proj", e)
+            else:
+                gate_up = [expert("gate_proj", e), expert("up_proj", e)]
+                down_w = expert("down_proj", e)
+            put_linear(f"{dst}experts.{e}.gate_up_proj", gate_up)
+            put_linear(f"{dst}experts.{e}.down_proj", [down_w])
+        if moe.shared_intermediate:
+            shared = f"{mod}shared_expert."
+            put_linear(f"{dst}shared_expert.gate_up_proj",
+                       [take(f"{shared}gate_proj.weight"), take(f"{shared}up_proj.weight")])  # fmt: skip
+            put_linear(f"{dst}shared_expert.down_proj", [take(f"{shared}down_proj.weight")])
+            put(f"{dst}shared_expert_gate.weight", take(f"{mod}shared_expert_gate.weight").reshape(1, -1))
+
     def load_weights(
         self,
         weights: dict[str, torch.Tensor | QuantizedWeight],
@@ -365,6 +382,7 @@ class DecoderForCausalLM(nn.Module):
         self._fused_layers = None
         self._tiles = False
         own = dict(self.named_parameters(remove_duplicate=False))
+        self._weight_names = weights.keys()
         used: set[str] = set()
         offset = self.spec.norm_offset
 
@@ -439,6 +457,9 @@ class DecoderForCausalLM(nn.Module):
                 put_norm(f"{dst}self_attn.q_norm.weight", take(f"{attn}q_norm.weight"))
                 put_norm(f"{dst}self_attn.k_norm.weight", take(f"{attn}k_norm.weight"))
             put_linear(f"{dst}self_attn.o_proj", [take(f"{attn}o_proj.weight")])
+            if spec.moe is not None:
+                self._load_moe(src, f"{dst}mlp.", spec.moe, take, put, put_linear)
+                continue
             mlp = f"{src}mlp."
             if self.FUSED_GATE_UP:
                 gate_up = [take(f"{mlp}gate_up_proj.weight")]
