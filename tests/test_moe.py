@@ -21,6 +21,7 @@ from inferd import LLM, SamplingParams
 from inferd.layers.moe import SparseMoE
 from inferd.layers.quantized_linear import QuantizedLinear
 from inferd.loader import ModelLoadError, load_model
+from inferd.models import decoder
 from inferd.quantization.formats import dequantize
 
 NEW_TOKENS = 16
@@ -107,7 +108,7 @@ def test_a_tokens_output_does_not_depend_on_its_batch(moe_models, family):
 def test_quantized_experts_stay_packed(moe_models, tmp_path):
     """A GGUF whose expert stacks are Q8_0 loads them packed, each expert its own rows of the
     stack (bit for bit what dequantizing the stack gives), and serves."""
-    hf, _, gguf_path, prompts, _ = moe_models["qwen3_moe"]
+    _, _, gguf_path, prompts, _ = moe_models["qwen3_moe"]
     reader = gguf.GGUFReader(str(gguf_path))
     q8 = tmp_path / "q8.gguf"
     w = gguf.GGUFWriter(str(q8), "qwen3moe")
@@ -164,5 +165,61 @@ def test_info_names_the_mixture_and_its_active_parameters(moe_models):
     r = subprocess.run([sys.executable, "-m", "inferd.cli", "info", str(hf_dir)],
                        capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "MoE top-2 of 8 experts of 48 + a shared expert of 96 in 1 of 2 layers" in r.stdout
+    assert "MoE top-2 of 8 experts of 64 + a shared expert of 96 in 1 of 2 layers" in r.stdout
     assert "M active per token" in r.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_decode_and_torch_ops_give_the_kernel_layers_bits(moe_models, family, quantization, monkeypatch):
+    """Three ways to run a mixture: decode steps in the fused C++ step (decoder_layers.h calling
+    moe_layer.h), the Python layer loop calling moe_layer.h, and SparseMoE's PyTorch ops: the same
+    tokens and logprobs (OLMoE: qk-norm over all heads in the fused step too)."""
+    _, hf_dir, _, prompts, _ = moe_models[family]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    fused_rows: list[int] = []
+    real = decoder.DecoderForCausalLM._decode_layers
+
+    def counted(self, ext, x, *args):
+        fused_rows.append(x.shape[0])
+        return real(self, ext, x, *args)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    runs = []
+    for way in ("fused", "python", "torch"):
+        monkeypatch.setattr(decoder, "FUSED_DECODE", way == "fused")
+        fused_rows.clear()
+        llm = LLM(str(hf_dir), quantization=quantization, verbose=False, kv_cache_memory=8 << 20)
+        if way == "torch":
+            for layer in llm.engine.runner.model.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    assert layer.mlp.kernel is not None
+                    layer.mlp.kernel = None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert bool(fused_rows) == (way == "fused")
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_bench_counts_the_experts_a_step_reads_and_their_load(moe_models):
+    """`inferd bench latency`'s cost model: a step reads the dense weights and k / E of the
+    experts at batch 1, more of them as the batch grows; the expert-load histogram counts k
+    choices per token of each mixture layer."""
+    from inferd.bench.latency import expert_load
+    from inferd.bench.roofline import step_cost
+
+    _, hf_dir, _, prompts, _ = moe_models["qwen2_moe"]
+    llm = _llm(hf_dir, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    moe = model.layers[0].mlp
+    one_expert = sum(p.numel() * 4 for p in moe.experts[0].parameters())
+    cost = step_cost(model, kv_bytes_per_token=0)
+    assert cost.expert_bytes == 8 * one_expert  # one mixture layer of 8 experts
+    assert cost.weight_bytes_read(1) == cost.weight_bytes + 2 * one_expert  # top 2 of 8
+    assert cost.weight_bytes_read(1) < cost.weight_bytes_read(4) < cost.weight_bytes + cost.expert_bytes
+    expert_load(model)  # (zeroed)
+    llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    load = expert_load(model)
+    routed = len(prompts[0]) + NEW_TOKENS - 1  # every prompt token and every decode step's token
+    assert list(load["per_layer"]) == ["0"] and sum(load["per_layer"]["0"]) == 2 * routed
+    assert load["min_share"] <= load["uniform_share"] <= load["max_share"]

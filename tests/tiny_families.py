@@ -130,14 +130,14 @@ FAMILIES = {
 
 
 _MOE = {**_BASE, "num_experts_per_tok": 2}
-# Mixtures of experts: 8 experts of 48 or 64 (Qwen's `moe_intermediate_size`), top 2.
+# Mixtures of experts: 8 experts of 64 (Qwen's `moe_intermediate_size`), top 2.
 MOE_FAMILIES = {
     "mixtral": Family("mixtral", "MixtralForCausalLM", "MixtralConfig",
-                      {**_MOE, "head_dim": 16, "num_local_experts": 8, "intermediate_size": 48},
+                      {**_MOE, "head_dim": 16, "num_local_experts": 8, "intermediate_size": 64},
                       gguf_arch="llama"),
     # A shared expert; layer 1 dense (mlp_only_layers).
     "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                        {**_MOE, "num_experts": 8, "moe_intermediate_size": 48,
+                        {**_MOE, "num_experts": 8, "moe_intermediate_size": 64,
                          "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
                         gguf_arch="qwen2moe"),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -145,7 +145,7 @@ MOE_FAMILIES = {
                          "norm_topk_prob": True},
                         gguf_arch="qwen3moe"),
     "olmoe": Family("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
-                    {**_MOE, "num_experts": 8, "intermediate_size": 48}),
+                    {**_MOE, "num_experts": 8, "intermediate_size": 64}),
 }  # fmt: skip
 
 

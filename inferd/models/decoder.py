@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from inferd.config import ModelConfig
+from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import QuantizedKV
 from inferd.layers.attention import (
     KERNEL_CALL_ROWS,
@@ -194,10 +195,6 @@ class DecoderForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
         self._embed_scale: float | None = spec.embed_scale
-        # Layers the fused C++ step does not compute (mixtures, qk-norm over all heads) run in
-        # Python on every step.
-        self._python_only = any(s.moe is not None or (s.qk_norm and s.qk_norm_span != "head")
-                                for s in spec.layers)  # fmt: skip
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -227,6 +224,9 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.backend = backend
             layer.self_attn.rotate = rotate
             layer.mlp.set_act_mul(select_act_mul(spec.activation, device, dtype))
+        ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        if ext is not None:
+            self.select_moe_kernels(ext)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -263,14 +263,13 @@ class DecoderForCausalLM(nn.Module):
         """Whether `decode_layers` runs this step: every row in the kernel group (whose extension
         holds it), fp32 rows, a cache it reads (plain, 2-byte or quantized), int8 activations
         where weights are packed into tiles (tiles have no fp32-activation kernel), and no more
-        rows than one attention kernel call takes (the C++ step attends all its rows in one), in
-        a model whose every layer it computes (not mixtures)."""
+        rows than one attention kernel call takes (the C++ step attends all its rows in one)."""
         kg = meta.kernel_group
         return (kg is not None and meta.group is None and not meta.prefills
                 and x.dtype == torch.float32
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= KERNEL_CALL_ROWS and not self._python_only)  # fmt: skip
+                and x.shape[0] <= KERNEL_CALL_ROWS)  # fmt: skip
 
     def _fused_weights(self, ext) -> tuple[list, list]:
         """The layers' weights and specs as decoder_layers takes them (built once)."""
@@ -280,22 +279,40 @@ class DecoderForCausalLM(nn.Module):
             def weight(norm: RMSNorm | None) -> torch.Tensor | None:
                 return None if norm is None else norm.weight
 
+            none = ext.LinearWeights(0, torch.empty(0), None, None, None, 0)
+
+            def mlp(l: DecoderLayer) -> dict:
+                if isinstance(l.mlp, SparseMoE):  # (its MoeWeights: the layer's kernel call's own)
+                    return {"gate_up": none, "down": none, "moe": l.mlp.kernel[1]}
+                return {"gate_up": linear(l.mlp.gate_up_proj), "down": linear(l.mlp.down_proj)}
+
+            self.select_moe_kernels(ext)
             self._fused_layers = [
                 ext.LayerWeights(
                     l.input_layernorm.weight, l.pre_mlp_norm.weight,
-                    *map(linear, (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
-                                  l.mlp.down_proj)),
-                    weight(l.self_attn.q_norm), weight(l.self_attn.k_norm),
-                    weight(l.post_attn_norm), weight(l.post_mlp_norm),
+                    qkv=linear(l.self_attn.qkv_proj), o=linear(l.self_attn.o_proj),
+                    q_norm=weight(l.self_attn.q_norm), k_norm=weight(l.self_attn.k_norm),
+                    post_attn_norm=weight(l.post_attn_norm), post_mlp_norm=weight(l.post_mlp_norm),
+                    **mlp(l),
                 )
                 for l in self.layers
             ]  # fmt: skip
             self._fused_specs = [
                 ext.DecoderLayerSpec(l.self_attn.rope_index, s.sliding_window or 0, s.attn_scale,
-                                     s.attn_softcap or 0.0, ACTIVATIONS.index(s.activation))
+                                     s.attn_softcap or 0.0, ACTIVATIONS.index(s.activation),
+                                     qk_norm_all=l.self_attn.qk_norm_all)
                 for l, s in zip(self.layers, self.spec.layers)
             ]  # fmt: skip
         return self._fused_layers, self._fused_specs
+
+    def select_moe_kernels(self, ext) -> None:
+        """Mixture layers run moe_layer.h (through `ext`, the step's extension) from now on:
+        weights as they are stored now (call again after a repack)."""
+        int8 = formats.int8_activations_default(ext)
+        for layer, spec in zip(self.layers, self.spec.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                weights = layer.mlp.kernel_weights(ext, kernel_linear_weights, ACTIVATIONS.index(spec.activation))
+                layer.mlp.kernel = (ext, weights, int8)
 
     def _decode_layers(self, ext, x, ropes, kv_caches, meta: AttentionMetadata,
                        captured: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -325,6 +342,9 @@ class DecoderForCausalLM(nn.Module):
         """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""
         self._fused_layers = None
         self._tiles = True
+        moe = next((l.mlp for l in self.layers if isinstance(l.mlp, SparseMoE) and l.mlp.kernel), None)
+        if moe is not None:
+            self.select_moe_kernels(moe.kernel[0])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that sample: [B, vocab]."""
