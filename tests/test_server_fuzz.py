@@ -56,8 +56,14 @@ SETTINGS = settings(
 # ---- strategies from the pydantic models ----------------------------------------------------
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 EDGE_INTS = st.sampled_from([0, -1, 1, 2**31, -(2**31), 2**63, -(2**63) - 1, 10**30])
@@ -166,9 +172,9 @@ def test_openapi_fuzz(server: RemoteServer) -> None:
 
         @SETTINGS
         @given(case=op.as_strategy())
-        def run(case: Any) -> None:
+        def run(case: Any, label: str = op.label) -> None:
             case.body = capped(case.body)
-            check(case.call(base_url=server.url, timeout=120), f"{op.label} {case.body!r}"[:2000])
+            check(case.call(base_url=server.url, timeout=120), f"{label} {case.body!r}"[:2000])
 
         run()
 

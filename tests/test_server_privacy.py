@@ -25,7 +25,9 @@ def server() -> Iterator[RemoteServer]:
 
 
 def client(server: RemoteServer, key: str) -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=300, headers={"Authorization": f"Bearer {key}"})
+    return httpx.Client(
+        base_url=server.url, timeout=300, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def cached_tokens(c: httpx.Client, prompt: str, **extra: object) -> int:
@@ -39,7 +41,9 @@ def test_no_prompt_and_no_key_in_the_logs(server: RemoteServer) -> None:
         r = a.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": SECRET}],
                                                  "max_tokens": 2})  # fmt: skip
         assert r.status_code == 200
-        assert a.post("/v1/completions", json={"prompt": SECRET, "max_tokens": 2}).status_code == 200
+        assert (
+            a.post("/v1/completions", json={"prompt": SECRET, "max_tokens": 2}).status_code == 200
+        )
     log = server.log_text()
     assert "4921" not in log and "X1234567" not in log
     assert all(k not in log for k in KEYS)

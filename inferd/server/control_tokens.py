@@ -40,7 +40,9 @@ def _specials(tok: Tokenizer) -> _Specials:
     found = _SPECIALS.get(tok)
     if found is None:
         spellings = sorted(
-            {s for t in tok.special_token_ids if (s := tok.hf.id_to_token(t))}, key=len, reverse=True
+            {s for t in tok.special_token_ids if (s := tok.hf.id_to_token(t))},
+            key=len,
+            reverse=True,
         )
         pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
         plain = HFTokenizer.from_str(tok.hf.to_str())

@@ -25,12 +25,24 @@ from inferd.server.errors import error_body
 
 def add_timeout_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("connections")
-    g.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a client may take to send a request's headers (408 after)")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send a request's body (408 after)")
-    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection stays open (uvicorn's flag)")
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client may take to send a request's headers (408 after)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's body (408 after)",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (uvicorn's flag)",
+    )
     g.add_argument("--limit-concurrency", type=int, default=2048,
                    help="connections and tasks at once before 503s (uvicorn's flag; 0: no limit)")  # fmt: skip
 
@@ -66,7 +78,9 @@ def protocol_class(header_timeout: float) -> Any:
                         "(--header-timeout)")  # fmt: skip
             self.transport.write(
                 b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                b"connection: close\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
                 + body
             )
             self.transport.close()

@@ -63,8 +63,8 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
      "size of response_format, guided_* and tools, as compact JSON"),
     ("--max-json-depth", "max_json_depth", "nesting depth of any JSON value in a request"),
     ("--max-concurrent-prompts", "max_concurrent_prompts",
-     "prompts of one /v1/completions request in the engine at once (the rest wait their turn, "
-     "so other users' requests interleave)"),
+     ("prompts of one /v1/completions request in the engine at once (the rest wait their "
+      "turn, so other users' requests interleave)")),
     ("--max-priority", "max_priority",
      "bound on |priority| under --scheduling-policy priority"),
 )  # fmt: skip
