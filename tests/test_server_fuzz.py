@@ -164,19 +164,24 @@ def test_pydantic_model_fuzz(server: RemoteServer, path: str, model: type[BaseMo
         run()
 
 
+def fuzz_operation(op: Any, url: str) -> None:
+    """Cases schemathesis draws for one operation of the OpenAPI document, sent to `url`."""
+
+    @SETTINGS
+    @given(case=op.as_strategy())
+    def run(case: Any) -> None:
+        case.body = capped(case.body)
+        check(case.call(base_url=url, timeout=120), f"{op.label} {case.body!r}"[:2000])
+
+    run()
+
+
 def test_openapi_fuzz(server: RemoteServer) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {"POST /v1/completions", "POST /v1/chat/completions"} <= {op.label for op in operations}
     for op in operations:
-
-        @SETTINGS
-        @given(case=op.as_strategy())
-        def run(case: Any, label: str = op.label) -> None:
-            case.body = capped(case.body)
-            check(case.call(base_url=server.url, timeout=120), f"{label} {case.body!r}"[:2000])
-
-        run()
+        fuzz_operation(op, server.url)
 
 
 USER = [{"role": "user", "content": "hi"}]
