@@ -221,7 +221,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("parameters", f"{cfg.num_parameters():,} ({cfg.num_parameters() / 1e6:.1f} M)"
                        + (f", {cfg.num_active_parameters() / 1e6:.1f} M active per token" if cfg.num_experts else "")),
         ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
-        ("heads (q / kv) × dim", f"{cfg.num_heads} / {cfg.num_kv_heads} × {cfg.head_dim}"),
+        ("heads (q / kv) × dim", f"{cfg.num_heads} / {cfg.num_kv_heads} × {cfg.head_dim}" if not cfg.is_mla
+         else f"{cfg.num_heads} × (q/k {cfg.qk_nope_head_dim} + rope {cfg.head_dim}, v {cfg.v_head_dim}); "
+              f"KV: latent {cfg.kv_lora_rank} + rope {cfg.head_dim}"),
         ("attention", spec.summary()),
         ("layer", spec.traits()),
         ("vocab", str(cfg.vocab_size)),

@@ -79,6 +79,23 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Per layer whether its MLP is the MoE one; None: every layer's is (where num_experts > 0).
     moe_layers: tuple[bool, ...] | None = None
+    # DeepSeek's routing: the top `moe_topk_group` of `moe_n_group` expert groups (by their best
+    # expert) first, the top k among their experts then; the chosen weights times
+    # `routed_scaling_factor`. Its shared experts have no gate.
+    moe_topk_method: str = "greedy"  # or "group_limited_greedy"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    # Multi-head latent attention (DeepSeek-V2): each token's keys and values come from one
+    # `kv_lora_rank` latent, and a `head_dim` rotary key shared by all heads; both are what the KV
+    # cache holds. 0: ordinary attention. (head_dim is then the rotary part of a q / k head;
+    # `qk_nope_head_dim` the rest, `v_head_dim` a value head; queries through a `q_lora_rank`
+    # bottleneck where set.)
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -107,6 +124,18 @@ class ModelConfig:
             if self.moe_layers is not None and len(self.moe_layers) != self.num_layers:
                 raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """What the KV cache holds per token and layer: (planes, heads, head size). K and V: 2
+        planes of `num_kv_heads` heads; MLA: one plane, one head of latent + rotary key (the
+        values are the latent: the same plane serves as K and V)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         if not self.num_experts:
             return False
@@ -131,15 +160,23 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + 2 * h + (q + 2 * kv if self.attention_bias else 0)
+        if self.is_mla:
+            qk = self.num_heads * (self.qk_nope_head_dim + self.head_dim)
+            qproj = h * qk if not self.q_lora_rank else self.q_lora_rank * (h + qk + 1)
+            attn = (qproj + h * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank
+                    + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+                    + self.num_heads * self.v_head_dim * h + 2 * h)  # fmt: skip
         moe = (3 * h * self.moe_intermediate_size * experts + h * self.num_experts
-               + (3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0))  # fmt: skip
+               + (3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gated else 0)
+                  if self.shared_expert_intermediate_size else 0))  # fmt: skip
         layers = sum(attn + (moe if self.is_moe_layer(n) else 3 * h * i) for n in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + layers + h + head
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        planes, heads, dim = self.kv_layout()
+        return planes * self.num_layers * heads * dim * elem
 
 
 # --kv-cache-dtype: auto (the model's dtype), a 2-byte float, or one byte per element + a scale.

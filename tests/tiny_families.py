@@ -146,6 +146,15 @@ MOE_FAMILIES = {
                         gguf_arch="qwen3moe"),
     "olmoe": Family("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
                     {**_MOE, "num_experts": 8, "intermediate_size": 64}),
+    # Multi-head latent attention (latent 32 + rotary 16, queries through a rank-48 bottleneck),
+    # layer 0 dense, then 8 routed experts in 4 groups (top 2 groups, top 2 experts, weights x 1.5)
+    # and one shared expert.
+    "deepseek_v2": Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config",
+                          {**_MOE, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
+                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+                           "n_routed_experts": 8, "moe_intermediate_size": 64, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
+                           "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
 }  # fmt: skip
 
 

@@ -53,8 +53,9 @@ KERNEL_PIECE_ROWS = 256
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim]"""
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """[layers, 2 (k/v; 1 where one plane serves as both: MLA), num_blocks, block_size, kv_heads, head_dim]"""
+    planes, heads, head_dim = cfg.kv_layout()
+    shape = (cfg.num_layers, planes, num_blocks, block_size, heads, head_dim)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if _maps_lazily(nbytes, device):
         # A mapping of its own, not torch.empty: malloc maps a large block afresh only when no

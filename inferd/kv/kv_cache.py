@@ -12,8 +12,9 @@ format's largest code, so nothing needs calibrating and an outlier in one token 
 precision only there. With the default model's head_dim 64 a slot-head takes 64 + 4 bytes instead
 of 256 (fp32): the same memory holds 3.76x the tokens (1.88x against bf16).
 
-Layout: data [layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim] (uint8 codes when
-quantized), scales [layers, 2, num_blocks, block_size, kv_heads] fp32 (quantized only).
+Layout: data [layers, 2 (k/v; 1 for MLA latents, K and V alike), num_blocks, block_size, kv_heads,
+head_dim] (uint8 codes when quantized), scales [layers, 2, num_blocks, block_size, kv_heads] fp32
+(quantized only).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str
     fmt = kv_format(kv_cache_dtype)
     if fmt is None:
         return cfg.kv_bytes_per_token(storage_dtype(kv_cache_dtype, dtype))
-    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    planes, heads, head_dim = cfg.kv_layout()
+    return planes * cfg.num_layers * heads * (head_dim + 4)
 
 
 def describe(kv_cache_dtype: str, dtype: torch.dtype) -> str:
@@ -171,10 +173,12 @@ class KVCache:
         return n + (0 if self.scales is None else self.scales.numel() * 4)
 
     def layers(self) -> list[tuple[LayerKV, LayerKV]]:
-        """Per layer (K, V): views of the pool, plain tensors or `QuantizedKV`."""
+        """Per layer (K, V): views of the pool, plain tensors or `QuantizedKV` (with one plane,
+        MLA's latents, K and V are the same view)."""
+        v_plane = self.data.shape[1] - 1
         if self.scales is None:
-            return [(self.data[i, 0], self.data[i, 1]) for i in range(self.data.shape[0])]
-        return [tuple(QuantizedKV(self.data[i, j], self.scales[i, j], self.fmt) for j in (0, 1))
+            return [(self.data[i, 0], self.data[i, v_plane]) for i in range(self.data.shape[0])]
+        return [tuple(QuantizedKV(self.data[i, j], self.scales[i, j], self.fmt) for j in (0, v_plane))
                 for i in range(self.data.shape[0])]  # fmt: skip
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

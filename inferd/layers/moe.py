@@ -43,7 +43,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate:
             self.shared_expert = MLP(hidden_size, spec.shared_intermediate)
-            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            if spec.shared_gated:
+                self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         # Tokens routed to each expert since the last `take_expert_counts` (the bench's histogram);
         # made at the first forward, on the batch's device (the module is built on "meta").
         self.expert_counts: torch.Tensor | None = None
@@ -60,12 +61,22 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [T, k] (by descending probability) and their weights [T, k]:
-        softmax over the router's logits in fp32, the top k kept, renormalised where the model
-        says so."""
+        softmax over the router's logits in fp32 (DeepSeek: only the experts of the best
+        `topk_group` of `n_group` groups, a group ranked by its best expert), the top k kept,
+        renormalised where the model says so, times the routed scaling factor."""
+        spec = self.spec
         probs = torch.softmax(self.gate.forward(x).float(), dim=-1)
-        weights, experts = probs.topk(self.spec.top_k, dim=-1)
-        if self.spec.renormalize:
+        if spec.n_group > 1:
+            t = probs.shape[0]
+            groups = probs.view(t, spec.n_group, -1)
+            best = groups.amax(dim=-1).topk(spec.topk_group, dim=-1).indices
+            keep = torch.zeros(t, spec.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            probs = groups.masked_fill(~keep.unsqueeze(-1), 0.0).view(t, -1)
+        weights, experts = probs.topk(spec.top_k, dim=-1)
+        if spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if spec.scaling != 1.0:
+            weights = weights * spec.scaling
         return experts, weights.to(x.dtype)
 
     def kernel_weights(self, ext, linear_weights, activation: int):
@@ -75,12 +86,15 @@ class SparseMoE(nn.Module):
         shared = {}
         if self.shared_expert is not None:
             shared = {"shared_gate_up": linear_weights(ext, self.shared_expert.gate_up_proj),
-                      "shared_down": linear_weights(ext, self.shared_expert.down_proj),
-                      "shared_gate": self.shared_expert_gate.weight}  # fmt: skip
+                      "shared_down": linear_weights(ext, self.shared_expert.down_proj)}  # fmt: skip
+            if self.shared_expert_gate is not None:
+                shared["shared_gate"] = self.shared_expert_gate.weight
+        spec = self.spec
         return ext.MoeWeights(
             self.gate.weight, [linear_weights(ext, e.gate_up_proj) for e in self.experts],
-            [linear_weights(ext, e.down_proj) for e in self.experts], self.spec.top_k, self.spec.renormalize,
-            activation, expert_counts=self.expert_counts, **shared,
+            [linear_weights(ext, e.down_proj) for e in self.experts], spec.top_k, spec.renormalize,
+            activation, expert_counts=self.expert_counts, n_group=spec.n_group, topk_group=spec.topk_group,
+            scaling=spec.scaling, **shared,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +126,11 @@ class SparseMoE(nn.Module):
         out = pairs[:, 0]
         for j in range(1, k):  # a token's choices summed in their rank order, one add at a time
             out = out + pairs[:, j]
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = rowwise_sigmoid(self.shared_expert_gate.forward(x))
             out = out + gate * self.shared_expert.forward(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert.forward(x)
         return out
 
     def take_expert_counts(self) -> torch.Tensor:

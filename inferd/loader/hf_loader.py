@@ -30,6 +30,7 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 _QWEN = ("qwen2", "qwen3", "qwen2_moe")
 
@@ -118,22 +119,60 @@ def _sliding(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None,
 # field that selects them and the values inferd computes.
 _ROUTING_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (1,),
                    "topk_group": (1,), "routed_scaling_factor": (1.0,)}  # fmt: skip
+# DeepSeek-V2 computes these (None: any value).
+_DEEPSEEK_ROUTING = {"topk_method": ("greedy", "group_limited_greedy"), "n_group": None,
+                     "topk_group": None, "routed_scaling_factor": None}  # fmt: skip
+
+
+def _mla(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Multi-head latent attention's sizes (DeepSeek-V2); none for other models."""
+    if arch != "deepseek_v2":
+        return {}
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias on multi-head latent attention is not supported")
+    return {
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "q_lora_rank": int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+        "v_head_dim": int(cfg["v_head_dim"]),
+    }
 
 
 def _moe(cfg: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
     """The mixture fields of `ModelConfig` (none for a dense model); a routing variant inferd
     does not compute is an error naming it."""
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
+    deepseek = arch == "deepseek_v2"
     for name, known in _ROUTING_FIELDS.items():
-        if cfg.get(name) is not None and cfg[name] not in known:
-            raise ValueError(f"MoE routing {name}={cfg[name]!r} is not supported (supported: {known[0]!r})")
+        if deepseek and name in _DEEPSEEK_ROUTING:
+            known = _DEEPSEEK_ROUTING[name]
+        if cfg.get(name) is not None and known is not None and cfg[name] not in known:
+            raise ValueError(f"MoE routing {name}={cfg[name]!r} is not supported (supported: "
+                             f"{', '.join(map(repr, known))})")  # fmt: skip
     if cfg.get("clip_qkv") is not None:
         raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
     sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
     dense = set(cfg.get("mlp_only_layers") or ())
+    if deepseek:  # the first k layers dense
+        dense |= set(range(int(cfg.get("first_k_dense_replace") or 0)))
     moe_layers = tuple(i not in dense and (i + 1) % sparse_step == 0 for i in range(n_layers))
+    if deepseek:
+        moe_size = int(cfg["moe_intermediate_size"])
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": moe_size,
+            "norm_topk_prob": False,  # (DeepSeek-V2's router never renormalises, as in transformers)
+            "shared_expert_intermediate_size": moe_size * int(cfg.get("n_shared_experts") or 0),
+            "shared_expert_gated": False,
+            "moe_layers": None if all(moe_layers) else moe_layers,
+            "moe_topk_method": cfg.get("topk_method") or "greedy",
+            "moe_n_group": int(cfg.get("n_group") or 1),
+            "moe_topk_group": int(cfg.get("topk_group") or 1),
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        }
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
@@ -172,7 +211,9 @@ def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelCon
         num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        # (MLA: the rotary part of a query / key head)
+        head_dim=(int(cfg["qk_rope_head_dim"]) if arch == "deepseek_v2"
+                  else cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -190,7 +231,7 @@ def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelCon
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
-        **_moe(cfg, arch, n_layers),
+        **{**_moe(cfg, arch, n_layers), **_mla(cfg, arch)},
     )
 
 

@@ -7,6 +7,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.models.decoder import DecoderForCausalLM
+from inferd.models.deepseek_v2 import DeepseekV2ForCausalLM
 from inferd.models.gemma2 import Gemma2ForCausalLM
 from inferd.models.gemma3 import Gemma3ForCausalLM
 from inferd.models.llama import LlamaForCausalLM
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 
 

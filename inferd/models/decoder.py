@@ -36,6 +36,7 @@ from inferd.layers.attention import (
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.mlp import MLP, select_act_mul
 from inferd.layers.moe import SparseMoE
+from inferd.models.mla import MLAttention
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
@@ -131,7 +132,7 @@ class DecoderLayer(nn.Module):
         sandwich = spec.norm == "sandwich"
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, spec, rope_index)
+        self.self_attn = (MLAttention if spec.mla else Attention)(cfg, spec, rope_index)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg.hidden_size, spec.moe)
@@ -165,6 +166,7 @@ class DecoderForCausalLM(nn.Module):
     # up and down projections (under {MOE_MODULE}.experts.{e}.).
     MOE_MODULE: ClassVar[str] = "mlp"
     EXPERT_NAMES: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    SHARED_EXPERT: ClassVar[str] = "shared_expert"  # (under MOE_MODULE)
 
     @classmethod
     def spec_for(cls, cfg: ModelConfig) -> ModelSpec:
@@ -217,7 +219,7 @@ class DecoderForCausalLM(nn.Module):
         """Choose, once, the kernels of the ops the layers call by function: attention (the
         backend `attention` names, else the preferred one for `device` and `dtype`), the rotary
         rotation and activation-mul. (Linears and norms choose theirs from their weights.)"""
-        backend = select_attention_backend(device, dtype, self.config.head_dim, attention)
+        backend = select_attention_backend(device, dtype, self.config.kv_layout()[2], attention)
         self.attention_backend = backend
         rotate = select_rotary(device, dtype)
         for layer, spec in zip(self.layers, self.spec.layers):
@@ -227,6 +229,9 @@ class DecoderForCausalLM(nn.Module):
         ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
         if ext is not None:
             self.select_moe_kernels(ext)
+        for layer in self.layers:
+            if isinstance(layer.self_attn, MLAttention):
+                layer.self_attn.dense = ext
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -269,7 +274,7 @@ class DecoderForCausalLM(nn.Module):
                 and x.dtype == torch.float32
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= KERNEL_CALL_ROWS)  # fmt: skip
+                and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla)  # fmt: skip
 
     def _fused_weights(self, ext) -> tuple[list, list]:
         """The layers' weights and specs as decoder_layers takes them (built once)."""
@@ -385,11 +390,12 @@ class DecoderForCausalLM(nn.Module):
             put_linear(f"{dst}experts.{e}.gate_up_proj", gate_up)
             put_linear(f"{dst}experts.{e}.down_proj", [down_w])
         if moe.shared_intermediate:
-            shared = f"{mod}shared_expert."
+            shared = f"{mod}{self.SHARED_EXPERT}."
             put_linear(f"{dst}shared_expert.gate_up_proj",
                        [take(f"{shared}gate_proj.weight"), take(f"{shared}up_proj.weight")])  # fmt: skip
             put_linear(f"{dst}shared_expert.down_proj", [take(f"{shared}down_proj.weight")])
-            put(f"{dst}shared_expert_gate.weight", take(f"{mod}shared_expert_gate.weight").reshape(1, -1))
+            if moe.shared_gated:
+                put(f"{dst}shared_expert_gate.weight", take(f"{mod}shared_expert_gate.weight").reshape(1, -1))
 
     def load_weights(
         self,
@@ -461,22 +467,10 @@ class DecoderForCausalLM(nn.Module):
                 if name is not None and getattr(self.layers[i], norm) is not None:
                     put_norm(f"{dst}{norm}.weight", take(f"{src}{name}.weight"))
             attn = f"{src}self_attn."
-            if self.FUSED_QKV:
-                qkv = [take(f"{attn}qkv_proj.weight")]
+            if spec.mla:
+                self.layers[i].self_attn.load(attn, f"{dst}self_attn.", take, put, put_norm, put_linear)
             else:
-                qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-            put_linear(f"{dst}self_attn.qkv_proj", qkv)
-            if spec.qkv_bias:
-                bias = (
-                    [take(f"{attn}qkv_proj.bias")]
-                    if self.FUSED_QKV
-                    else [take(f"{attn}{p}_proj.bias") for p in "qkv"]
-                )
-                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias))
-            if spec.qk_norm:
-                put_norm(f"{dst}self_attn.q_norm.weight", take(f"{attn}q_norm.weight"))
-                put_norm(f"{dst}self_attn.k_norm.weight", take(f"{attn}k_norm.weight"))
-            put_linear(f"{dst}self_attn.o_proj", [take(f"{attn}o_proj.weight")])
+                self._load_attention(attn, f"{dst}self_attn.", spec, take, put, put_norm, put_linear)
             if spec.moe is not None:
                 self._load_moe(src, f"{dst}mlp.", spec.moe, take, put, put_linear)
                 continue
@@ -495,3 +489,22 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint has weights this model does not use: {sorted(unknown)[:5]}"
             )
+
+    def _load_attention(self, attn: str, dst: str, spec: LayerSpec, take, put, put_norm, put_linear) -> None:
+        """One layer's q/k/v (fused into one matmul), their biases and norms, and o."""
+        if self.FUSED_QKV:
+            qkv = [take(f"{attn}qkv_proj.weight")]
+        else:
+            qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
+        put_linear(f"{dst}qkv_proj", qkv)
+        if spec.qkv_bias:
+            bias = (
+                [take(f"{attn}qkv_proj.bias")]
+                if self.FUSED_QKV
+                else [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+            )
+            put(f"{dst}qkv_proj.bias", torch.cat(bias))
+        if spec.qk_norm:
+            put_norm(f"{dst}q_norm.weight", take(f"{attn}q_norm.weight"))
+            put_norm(f"{dst}k_norm.weight", take(f"{attn}k_norm.weight"))
+        put_linear(f"{dst}o_proj", [take(f"{attn}o_proj.weight")])

@@ -76,11 +76,19 @@ class MoeSpec:
     intermediate: int
     renormalize: bool
     shared_intermediate: int = 0
+    shared_gated: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek: none)
+    # DeepSeek's group-limited routing (n_group 1: plain top-k) and routed scaling factor.
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
 
     @staticmethod
     def of(cfg: ModelConfig) -> MoeSpec:
+        grouped = cfg.moe_topk_method == "group_limited_greedy"
         return MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                       cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)  # fmt: skip
+                       cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, cfg.shared_expert_gated,
+                       cfg.moe_n_group if grouped else 1, cfg.moe_topk_group if grouped else 1,
+                       cfg.routed_scaling_factor)  # fmt: skip
 
 
 QK_NORM_SPANS = ("head", "all")
@@ -100,6 +108,7 @@ class LayerSpec:
     activation: str = "silu"  # ACTIVATIONS
     qkv_bias: bool = False
     moe: MoeSpec | None = None  # None: a dense MLP
+    mla: bool = False  # multi-head latent attention (DeepSeek-V2): the model config's MLA sizes
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_PLACEMENTS:
@@ -161,11 +170,17 @@ class ModelSpec:
         out.append(first.activation)
         if first.qkv_bias:
             out.append("qkv bias")
+        if first.mla:
+            out.append("multi-head latent attention")
         moe = [layer.moe for layer in self.layers if layer.moe is not None]
         if moe:
             m = moe[0]
             where = "" if len(moe) == len(self.layers) else f" in {len(moe)} of {len(self.layers)} layers"
             shared = f" + a shared expert of {m.shared_intermediate}" if m.shared_intermediate else ""
+            if m.n_group > 1:
+                shared += f", top {m.topk_group} of {m.n_group} groups"
+            if m.scaling != 1.0:
+                shared += f", weights x {m.scaling:g}"
             out.append(f"MoE top-{m.top_k} of {m.num_experts} experts of {m.intermediate}{shared}{where}")
         if first.attn_softcap:
             out.append(f"attention softcap {first.attn_softcap:g}")
@@ -199,13 +214,14 @@ def uniform_spec(
     norm: str = "pre",
     qk_norm: bool = False,
     qk_norm_span: str = "head",
+    attn_scale: float | None = None,
     embed_scale: bool = False,
     norm_offset: float = 0.0,
 ) -> ModelSpec:
     """Every layer alike but for what the config varies per layer: the window (`layer_types`) and
     with it the RoPE base (`rope_local_theta` on local layers, where given)."""
     act = activation_of(cfg.hidden_act)
-    scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+    scale = attn_scale or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     global_rope = RopeSpec.of(cfg.rope_theta, cfg.rope_scaling)
     local_rope = global_rope
     if cfg.rope_local_theta is not None:
@@ -225,6 +241,7 @@ def uniform_spec(
             activation=act,
             qkv_bias=cfg.attention_bias,
             moe=moe if cfg.is_moe_layer(i) else None,
+            mla=cfg.is_mla,
         ))  # fmt: skip
     return ModelSpec(
         layers=tuple(layers),

@@ -113,18 +113,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](torch::Tensor router, std::vector<LinearWeights> gate_up, std::vector<LinearWeights> down,
                        int64_t top_k, bool renormalize, int64_t activation,
                        c10::optional<LinearWeights> shared_gate_up, c10::optional<LinearWeights> shared_down,
-                       c10::optional<torch::Tensor> shared_gate, c10::optional<torch::Tensor> expert_counts) {
-             TORCH_CHECK(shared_gate.has_value() == (shared_gate_up.has_value() && shared_down.has_value()),
-                         "MoeWeights: a shared expert needs its gate_up, down and gate");
+                       c10::optional<torch::Tensor> shared_gate, c10::optional<torch::Tensor> expert_counts,
+                       int64_t n_group, int64_t topk_group, double scaling) {
+             TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
+                             (!shared_gate.has_value() || shared_gate_up.has_value()),
+                         "MoeWeights: a shared expert needs its gate_up and down (and its gate, if gated)");
+             TORCH_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && router.size(0) % n_group == 0,
+                         "MoeWeights: 1 <= topk_group <= n_group, experts a multiple of n_group");
              TORCH_CHECK(router.scalar_type() == torch::kFloat32 && router.dim() == 2, "MoeWeights: fp32 router [E, H]");
              const LinearWeights none{0, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), 0};
              return decoder::MoeWeights{router, gate_up, down, top_k, renormalize, activation,
                                         shared_gate_up.value_or(none), shared_down.value_or(none),
-                                        shared_gate.value_or(torch::Tensor()), expert_counts.value_or(torch::Tensor())};
+                                        shared_gate.value_or(torch::Tensor()), expert_counts.value_or(torch::Tensor()),
+                                        n_group, topk_group, scaling, shared_gate_up.has_value()};
            }),
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("activation"), py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
-           py::arg("shared_gate") = py::none(), py::arg("expert_counts") = py::none());
+           py::arg("shared_gate") = py::none(), py::arg("expert_counts") = py::none(), py::arg("n_group") = 1,
+           py::arg("topk_group") = 1, py::arg("scaling") = 1.0);
   m.def("moe_forward", [](torch::Tensor x, const decoder::MoeWeights& moe, bool int8_activations) {
           const Shape s{0, 0, 0, 0, 0.0, 0.0, int8_activations};
           return decoder::moe_forward(x, moe, s);

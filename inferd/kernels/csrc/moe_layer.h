@@ -27,6 +27,11 @@ struct MoeWeights {
   LinearWeights shared_gate_up, shared_down;
   torch::Tensor shared_gate;
   torch::Tensor expert_counts;  // int64 [E]: tokens routed to each expert are added here (if defined)
+  // DeepSeek's routing: experts of the best topk_group of n_group groups only (n_group 1: all),
+  // the chosen weights times `scaling`.
+  int64_t n_group = 1, topk_group = 1;
+  double scaling = 1.0;
+  bool shared = false;  // a shared expert (gated where shared_gate is defined)
 };
 
 // moe.py's _SIMD_SAFE_WIDTH: a [T, 1] column spread this wide is computed in full vectors.
@@ -45,9 +50,16 @@ inline std::tuple<torch::Tensor, torch::Tensor> moe_forward(const torch::Tensor&
   TORCH_CHECK(static_cast<int64_t>(m.gate_up.size()) == num_experts &&
                   static_cast<int64_t>(m.down.size()) == num_experts && k >= 1 && k <= num_experts,
               "moe_forward: one gate_up and one down per expert, 1 <= top_k <= experts");
-  const torch::Tensor probs = at::softmax(dense::linear(x, m.router, torch::Tensor()), -1);
+  torch::Tensor probs = at::softmax(dense::linear(x, m.router, torch::Tensor()), -1);
+  if (m.n_group > 1) {
+    const torch::Tensor groups = probs.view({t, m.n_group, -1});
+    const torch::Tensor best = std::get<1>(groups.amax(-1).topk(m.topk_group, -1));
+    const torch::Tensor keep = torch::zeros({t, m.n_group}, x.options().dtype(torch::kBool)).scatter_(1, best, true);
+    probs = groups.masked_fill(keep.logical_not().unsqueeze(-1), 0.0).view({t, -1});
+  }
   auto [weights, experts] = probs.topk(k, -1);
   if (m.renormalize) weights = weights / weights.sum(-1, true);
+  if (m.scaling != 1.0) weights = weights * m.scaling;
   const torch::Tensor flat = experts.flatten();
   const torch::Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const torch::Tensor counts = at::bincount(flat, {}, num_experts);
@@ -70,6 +82,8 @@ inline std::tuple<torch::Tensor, torch::Tensor> moe_forward(const torch::Tensor&
     const torch::Tensor g = dense::linear(x, m.shared_gate, torch::Tensor());
     const torch::Tensor gate = at::sigmoid(g.expand({t, kSimdSafeWidth}).contiguous()).narrow(1, 0, 1);
     out = out + gate * expert_mlp(m.shared_gate_up, m.shared_down, x, m.activation, s);
+  } else if (m.shared) {
+    out = out + expert_mlp(m.shared_gate_up, m.shared_down, x, m.activation, s);
   }
   return {out, counts};
 }
