@@ -36,10 +36,10 @@ from inferd.layers.attention import (
 from inferd.layers.linear import Embedding, Linear
 from inferd.layers.mlp import MLP, select_act_mul
 from inferd.layers.moe import SparseMoE
-from inferd.models.mla import MLAttention
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
+from inferd.models.mla import MLAttention
 from inferd.models.spec import ACTIVATIONS, LayerSpec, ModelSpec, uniform_spec
 from inferd.quantization import formats, gguf_blocks
 from inferd.quantization.formats import QuantizedWeight
