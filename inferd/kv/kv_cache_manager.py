@@ -39,12 +39,8 @@ class KVCacheManager:
         self.layout = layout or KVLayout.single(1)
         self.windows = self.layout.windows  # per group: its window, None for full attention
         self.num_groups = len(self.windows)
-        if self.layout.is_hybrid:
-            # A cache hit would need each group's blocks near the hit point, which windowed
-            # groups give back: not supported yet (`kv/kv_groups.py`).
-            enable_prefix_caching = False
         self.prefix_cache: PrefixCache | NullPrefixCache = (
-            PrefixCache(self.pool, block_size) if enable_prefix_caching else NullPrefixCache()
+            PrefixCache(self.pool, block_size, self.windows) if enable_prefix_caching else NullPrefixCache()
         )
         self.block_tables: dict[int, list[int]] = {}  # group 0's
         self._more_tables: dict[int, list[list[int]]] = {}  # groups 1.. (hybrid layouts)
@@ -80,16 +76,27 @@ class KVCacheManager:
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes)."""
-        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, touch=False)) * self.block_size
+        return self.prefix_cache.match_groups(token_ids, len(token_ids) - 1, touch=False)[0] * self.block_size
 
     def attach_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Start a sequence's table with the longest cached prefix; returns the tokens reused.
         At least one token is left to compute: the step needs its logits."""
-        blocks = self.prefix_cache.match(token_ids, len(token_ids) - 1)
-        self.pool.incref(blocks)
-        self._new_tables(seq_id, list(blocks))
-        self._num_cached_blocks[seq_id] = len(blocks)
-        return len(blocks) * self.block_size
+        k, tables = self.prefix_cache.match_groups(token_ids, len(token_ids) - 1)
+        if not k:
+            self._new_tables(seq_id, [])
+            return 0
+        # A windowed group's table starts with placeholders where it needs no block.
+        released = [self.prefix_cache.first_needed(w, k) for w in self.windows]
+        for table, r in zip(tables, released):
+            self.pool.incref(table[r:])
+        first, *more = tables
+        self.block_tables[seq_id] = first
+        if more:
+            self._more_tables[seq_id] = more
+        if any(released):
+            self._released[seq_id] = released
+        self._num_cached_blocks[seq_id] = k
+        return k * self.block_size
 
     def _ensure_free(self, n: int) -> bool:
         if n > self.pool.num_available:
@@ -160,7 +167,8 @@ class KVCacheManager:
         full = num_computed // self.block_size
         start = self._num_cached_blocks.get(seq_id, 0)
         if full > start and self.prefix_cache.enabled:
-            self.prefix_cache.insert(token_ids, self.block_tables[seq_id], start, full)
+            released = self._released.get(seq_id) or [0] * self.num_groups
+            self.prefix_cache.insert(token_ids, self.tables(seq_id), released, full)
             self._num_cached_blocks[seq_id] = full
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
