@@ -15,7 +15,8 @@ import torch
 from tiny_families import WINDOW, TinyFamilyModel, hf_greedy, write_family
 
 from inferd import LLM, SamplingParams
-from inferd.kv.kv_groups import KVLayout, kv_bytes_per_token_at
+from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.kv.kv_groups import NULL_BLOCK, KVGroup, KVLayout, kv_bytes_per_token_at
 from inferd.models import model_spec
 from inferd.models.spec import LayerSpec, ModelSpec, RopeSpec
 from inferd.spec import decoder as spec_decoder
@@ -97,6 +98,35 @@ def test_layouts_group_layers_by_attention_type():
     assert KVLayout.of(gemma3_270m, hybrid=False).num_groups == 1
     # A sequence holds every block of the full group and a window (+ a step's queries) of the rest.
     assert layout.blocks_for(8192, 16, 256) == 512 + 5 * layout.window_blocks(512, 16, 256)
+
+
+def test_windowed_blocks_released_and_cached_per_group():
+    """A full group and a window-8 group over 4-token blocks, exact block ids: releases keep the
+    table positional, a hit takes the full group's whole path and the window's blocks only, and
+    eviction takes windowed blocks from inside the tree."""
+    layout = KVLayout((KVGroup((0,), None), KVGroup((1,), 8)), 2)
+    kv = KVCacheManager(num_blocks=32, block_size=4, layout=layout)
+    tokens = list(range(20))
+    assert kv.allocate_slots(1, 0, 20)
+    assert kv.tables(1) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    kv.cache_computed_blocks(1, tokens, 20)
+    # The next query, at position 20, sees keys 13..20: blocks 0-2 of the window group are done.
+    assert kv.allocate_slots(1, 20, 1)
+    assert kv.tables(1) == [[0, 1, 2, 3, 4, 10], [NULL_BLOCK] * 3 + [8, 9, 11]]
+    assert [kv.pool.ref_counts[b] for b in (5, 6, 7)] == [1, 1, 1]  # the tree's alone
+    assert kv.num_blocks_held(1) == 9
+    kv.check_integrity()
+    # A hit of 5 blocks computes from position 20: the window group needs blocks 3 and 4 only.
+    assert kv.attach_cached_prefix(2, tokens + [99]) == 20
+    assert kv.tables(2) == [[0, 1, 2, 3, 4], [NULL_BLOCK] * 3 + [8, 9]]
+    assert kv.prefix_cache.evict(3) == 3  # the released window blocks, from interior nodes
+    assert kv.cached_prefix_len(tokens[:13]) == 0  # a hit at 4, 8 or 12 needs one of them
+    assert kv.cached_prefix_len(tokens + [99]) == 20
+    kv.check_integrity()
+    kv.free(1)
+    kv.free(2)
+    assert kv.reset_prefix_cache() and kv.pool.num_free == 32
+    kv.check_integrity()
 
 
 def test_info_prints_kv_bytes_at_8k(families):
