@@ -85,13 +85,17 @@ class PrefixCache:
                 break
             path.append(node)
         k = len(path)
+        windowed: list[tuple[int, list[int]]] = []  # (window, blocks missing in path[:i] per i)
         for g, window in enumerate(self.windows):
             if window is None:  # every block of the path up to the first it lacks
                 k = next((i for i, n in enumerate(path[:k]) if n.blocks[g] == _MISSING), k)
-        while k > 0 and not all(
-            all(path[i].blocks[g] != _MISSING for i in range(self.first_needed(w, k), k))
-            for g, w in enumerate(self.windows) if w is not None
-        ):  # fmt: skip
+            else:
+                missing = [0]
+                for n in path:
+                    missing.append(missing[-1] + (n.blocks[g] == _MISSING))
+                windowed.append((window, missing))
+        # The longest hit whose windowed groups hold every block their window needs.
+        while k > 0 and any(miss[k] > miss[self.first_needed(w, k)] for w, miss in windowed):
             k -= 1
         tables = []
         for g, window in enumerate(self.windows):
