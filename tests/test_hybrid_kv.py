@@ -244,3 +244,35 @@ def test_speculation_with_a_hybrid_target(families, references, method, monkeypa
     llm.engine.check_no_leaks()
     plain = _llm(m.hf_dir, max_num_batched_tokens=32)
     assert [t for t, _ in _run(plain, prompts + [loop])] == [t for t, _ in got]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_draft_tree_leaves_move_into_every_group(families, monkeypatch, kernel):
+    """Draft-tree leaves verified in scratch blocks of every KV group (the C++ kernel or the
+    torch backend): an accepted leaf's K/V lands in each group's block, so every later token and
+    logprob is the same as without speculation."""
+    from test_draft_tree import LeafOracle
+
+    _quiet_spec_policy(monkeypatch)
+    m = families["gemma3"]
+    prompts = _prompts(m.vocab_size)
+    plain = _llm(m.hf_dir)
+    if not kernel:
+        plain.engine.runner.attention_kernel = None
+    want = _run(plain, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = _llm(m.hf_dir, speculative_config=spec)
+    engine = llm.engine
+    if not kernel:
+        engine.runner.attention_kernel = None
+    answers = {tuple(p): tokens for p, (tokens, _) in zip(prompts, want)}
+    engine.spec.proposer = LeafOracle(answers, engine.model_config.vocab_size)
+    got = _run(llm, prompts)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):  # the torch backend's sums vary with the batch's shape
+        for x, y in zip(a, b):
+            assert list(x) == list(y)
+            assert [x[t].logprob for t in x] == pytest.approx([y[t].logprob for t in y], abs=1e-4)
+    assert engine.get_stats().spec_accepted_leaves > 0
+    engine.check_no_leaks()
+    assert not engine.kv.scratch
