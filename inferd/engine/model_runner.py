@@ -226,9 +226,10 @@ class ModelRunner:
 
         padded = self._padded_group(group, len(input_ids)) if group else [None] * num_groups
         kernel = self._padded_group(kernel_group, len(input_ids)) if kernel_group else [None] * num_groups
+        slot_mappings = self.as_tensor(slots)  # [groups, T]: one tensor, a row per group
         metas = [
             AttentionMetadata(
-                slot_mapping=self.as_tensor(slots[g]),
+                slot_mapping=slot_mappings[g],
                 block_size=bs,
                 group=padded[g],
                 prefills=[PrefillSlice(r, r + n, end, self.as_tensor(tables[g]), mask)
@@ -245,9 +246,10 @@ class ModelRunner:
                           sample_seqs, sample_counts)  # fmt: skip
         if leaves is not None:
             mirror_rows = self.as_tensor(leaves.mirror_rows)
+            mirror_slots = self.as_tensor(leaves.mirror_slots)  # [groups, M]
             for g, m in enumerate(metas):
                 m.mirror_rows = mirror_rows
-                m.mirror_slots = self.as_tensor(leaves.mirror_slots[g])
+                m.mirror_slots = mirror_slots[g]
             batch.leaf_rows = leaves.first_rows
             batch.scratch_copies = (leaves.copy_src, leaves.copy_dst)
         return batch
@@ -264,8 +266,9 @@ class ModelRunner:
         for b, (row0, n, _, _) in enumerate(group):
             token_rows.extend(range(row0, row0 + n))
             padded_index.extend(range(b * q_max, b * q_max + n))
-        tables = [self.as_tensor([t[g] + [0] * (width - len(t[g])) for *_, t in group])
-                  for g in range(self.layout.num_groups)]  # fmt: skip
+        # [groups, B, width] in one tensor; group g's tables are its (contiguous) row g.
+        tables = self.as_tensor([[t[g] + [0] * (width - len(t[g])) for *_, t in group]
+                                 for g in range(self.layout.num_groups)]).unbind(0)  # fmt: skip
         q_len = self.as_tensor([n for _, n, _, _ in group])
         ctx = self.as_tensor([c for _, _, c, _ in group])
         token_rows_t, padded_index_t = self.as_tensor(token_rows), self.as_tensor(padded_index)
