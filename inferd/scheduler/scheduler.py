@@ -184,11 +184,12 @@ class Scheduler:
                     break
             else:
                 # Each leaf of a draft tree verifies in a scratch block of its own (freed once
-                # verified). Leaves are optional: they never take the block another running
-                # sequence may need this step (which would preempt someone); then the chain alone
-                # is verified.
+                # verified). Leaves are optional: they never take the blocks another running
+                # sequence may need this step (one per KV group, which would preempt someone);
+                # then the chain alone is verified.
                 leaves = len(seq.spec.leaves)
-                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=len(self.running)):
+                keep = len(self.running) * self.kv.num_groups
+                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=keep):
                     seq.spec.leaves = []
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
