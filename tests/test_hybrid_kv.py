@@ -17,7 +17,6 @@ from tiny_families import WINDOW, TinyFamilyModel, hf_greedy, write_family
 from inferd import LLM, SamplingParams
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.kv.kv_groups import NULL_BLOCK, KVGroup, KVLayout, kv_bytes_per_token_at
-from inferd.models import model_spec
 from inferd.models.spec import LayerSpec, ModelSpec, RopeSpec
 from inferd.spec import decoder as spec_decoder
 from inferd.spec.policy import SpecPolicy
@@ -69,7 +68,9 @@ def _assert_transformers(got, refs) -> None:
 
 def _quiet_spec_policy(monkeypatch) -> None:
     """Fixed speculation costs (the policy reads the clock otherwise)."""
-    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *a, **k: ({1: 0.1, 64: 0.5}, {}))
+    monkeypatch.setattr(
+        spec_decoder, "measure_verify_cost", lambda *a, **k: ({1: 0.1, 64: 0.5}, {})
+    )
     monkeypatch.setattr(SpecPolicy, "record_speculation_time", lambda self, *args: None)
 
 
@@ -137,7 +138,9 @@ def test_info_prints_kv_bytes_at_8k(families):
                        capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
     # 6 tiny layers, 1 kv head x 256 fp32: 2,048 bytes a layer; 5 keep 8 of 8,192 tokens.
-    assert "2,058 B/token (hybrid: 5 local layers hold 8 tokens), 12,288 without" in r.stdout, r.stdout
+    assert "2,058 B/token (hybrid: 5 local layers hold 8 tokens), 12,288 without" in r.stdout, (
+        r.stdout
+    )
 
 
 # ---- the engine ----------------------------------------------------------------------------
@@ -178,8 +181,10 @@ def test_long_sequence_holds_global_layers_and_a_window(families):
         return ok
 
     kv.allocate_slots = recording
-    prompt = torch.randint(3, m.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
-    (tokens, _), = _run(llm, [prompt], max_tokens=30)
+    prompt = torch.randint(
+        3, m.vocab_size, (200,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
+    ((tokens, _),) = _run(llm, [prompt], max_tokens=30)
     total = len(prompt) + 30
     full = -(-total // BS)
     bound = full + 5 * layout.window_blocks(WINDOW, BS, budget)

@@ -134,7 +134,9 @@ class KVLayout:
         """e.g. '6 KV groups of 3 layers: 5 window 512, 1 full'."""
         if self.num_groups == 1:
             w = self.groups[0].window
-            return "1 KV group" + ("" if w is None else f" (window {w}: blocks freed as they leave it)")
+            return "1 KV group" + (
+                "" if w is None else f" (window {w}: blocks freed as they leave it)"
+            )
         kinds: dict[str, int] = {}
         for g in self.groups:
             key = "full" if g.window is None else f"window {g.window}"
@@ -143,7 +145,9 @@ class KVLayout:
         return f"{self.num_groups} KV groups of {self.group_size} layers: {parts}"
 
 
-def kv_bytes_per_token_at(spec: ModelSpec, layer_token_bytes: int, context: int, hybrid: bool) -> float:
+def kv_bytes_per_token_at(
+    spec: ModelSpec, layer_token_bytes: int, context: int, hybrid: bool
+) -> float:
     """Pool bytes per token of a `context`-token sequence: every layer keeps every token, or
     (`hybrid`) a windowed layer its last `window` tokens only. `layer_token_bytes`: one layer's
     K and V of one token."""

@@ -175,9 +175,10 @@ class PrefixCache:
         while heap and freed < num_blocks:
             _, _, node, g = heapq.heappop(heap)
             if g >= 0:
-                if node.parent is not None and node.key in node.parent.children:  # still in the tree
-                    if node.blocks[g] != _MISSING and self.pool.ref_counts[node.blocks[g]] == 1:
-                        freed += self._drop(node, g)
+                block = node.blocks[g]
+                in_tree = node.parent is not None and node.key in node.parent.children
+                if in_tree and block != _MISSING and self.pool.ref_counts[block] == 1:
+                    freed += self._drop(node, g)
                 continue
             parent = node.parent
             del parent.children[node.key]
