@@ -193,6 +193,24 @@ def _kv_bytes_row(cfg, dtype) -> str:
     return " · ".join(parts)
 
 
+def _kv_hybrid_row(cfg, spec, dtype, context: int = 8192) -> str:
+    """KV bytes per token of a `context`-token sequence with the hybrid KV manager (windowed
+    layers keep their window only) and without (every layer every token)."""
+    from inferd.kv.kv_cache import kv_bytes_per_token
+    from inferd.kv.kv_groups import KVLayout, kv_bytes_per_token_at
+
+    layer_bytes = kv_bytes_per_token(cfg, dtype, "auto") // cfg.num_layers
+    full = kv_bytes_per_token_at(spec, layer_bytes, context, hybrid=False)
+    layout = KVLayout.of(spec)
+    if not layout.is_hybrid:
+        return f"{full:,.0f} B/token (no sliding-window layers: every layer holds every token)"
+    hybrid = kv_bytes_per_token_at(spec, layer_bytes, context, hybrid=True)
+    local = [layer.sliding_window for layer in spec.layers if layer.is_local]
+    held = ", ".join(f"{n} local layers hold {w} tokens" for w, n in
+                     sorted({w: local.count(w) for w in local}.items()))  # fmt: skip
+    return f"{hybrid:,.0f} B/token (hybrid: {held}), {full:,.0f} without · {layout.describe()}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
@@ -232,6 +250,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("tied embeddings", str(cfg.tie_word_embeddings)),
         ("compute dtype", f"{str(dtype).removeprefix('torch.')} on {device}"),
         ("KV bytes per token", _kv_bytes_row(cfg, dtype)),
+        ("KV at 8k context", _kv_hybrid_row(cfg, spec, dtype)),
         ("resident weights", " · ".join(
             f"{m} {b / 2**20:.1f} MiB" for m, b in
             weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings).items())),  # fmt: skip

@@ -193,6 +193,9 @@ class CacheConfig:
     # Upper bound for the automatic size on CPU, where "free memory" is the whole machine's.
     max_auto_kv_cache_memory: int = 4 << 30
     enable_prefix_caching: bool = True
+    # Sliding-window layers give back the KV blocks that left their window (KV cache groups,
+    # inferd/kv/kv_groups.py); True keeps every token of every layer, as a model without windows.
+    disable_hybrid_kv_cache_manager: bool = False
     # One of KV_CACHE_DTYPES: see inferd/kv/kv_cache.py
     kv_cache_dtype: str = "auto"
     # Bytes of a lazily mapped CPU pool kept faulted in beyond the blocks handed out so far, on

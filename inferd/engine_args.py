@@ -138,6 +138,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         + shown, type=int)
     add("--enable-prefix-caching", "reuse the KV blocks of a shared prompt prefix" + shown,
         action=argparse.BooleanOptionalAction)
+    add("--disable-hybrid-kv-cache-manager", "keep every token's KV in sliding-window layers too "
+        "(by default their blocks go back to the pool once they leave the window)",
+        action="store_true")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     add("--structured-output-timeout", "seconds a JSON schema / regex / grammar may take to "
         "compile" + shown, type=float)

@@ -307,9 +307,11 @@ def long_context(ctx: BenchContext, a: argparse.Namespace) -> dict:
                 runs["hf"].append(hf_generate_timed(hf, [prompt], a.output_len, ctx.peers.pad_id))
             if llama is not None:
                 runs["llama.cpp"].append(llama.generate_timed(prompt, a.output_len))
-        kv = {
-            "inferd": -(-(n + a.output_len) // bs) * bs * kv_tok
-        }  # whole blocks of the paged pool
+        # Whole blocks of the paged pool; with KV cache groups a block holds one group's layers,
+        # and windowed groups hold about a window (inferd/kv/kv_groups.py).
+        layout = engine.kv.layout
+        block_bytes = bs * kv_tok * layout.group_size // cfg.num_layers
+        kv = {"inferd": layout.blocks_for(n + a.output_len, bs, a.max_num_batched_tokens) * block_bytes}
         if hf is not None:
             kv["hf"] = hf_kv_bytes(hf, n + a.output_len)
         point = {"context": n, "engines": {}}

@@ -28,8 +28,9 @@ from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.kv.kv_groups import KVLayout
 from inferd.loader import LoadedModel, ModelLoadError, load_model
-from inferd.models import build_model
+from inferd.models import build_model, model_spec
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes
 from inferd.sampling.params import SamplingParams
@@ -97,9 +98,15 @@ class EngineCore:
 
         block_size = config.cache.block_size
         kv_cache_dtype = config.cache.kv_cache_dtype
-        bytes_per_block = kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * block_size
+        # KV cache groups: a block holds one group's layers (inferd/kv/kv_groups.py).
+        layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
+        bytes_per_block = (kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * layout.group_size
+                           // mcfg.num_layers * block_size)  # fmt: skip
         num_blocks = _kv_num_blocks(config, bytes_per_block, self.device)
-        capacity = num_blocks * block_size
+        # The longest sequence the pool holds (windowed groups hold their window and a step's
+        # queries only).
+        limit = max(mcfg.max_position_embeddings, config.scheduler.max_model_len or 0)
+        capacity = layout.max_tokens(num_blocks, block_size, config.scheduler.max_num_batched_tokens, limit)
         wanted = config.scheduler.max_model_len
         if wanted is not None and wanted > capacity:
             raise ValueError(
@@ -107,7 +114,11 @@ class EngineCore:
                 "tokens); raise --kv-cache-memory or lower --max-model-len"
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
+        if layout.is_hybrid and config.cache.enable_prefix_caching and verbose:
+            logger.info("prefix caching is off for this model: its sliding-window layers give KV "
+                        "blocks back as they leave the window (--disable-hybrid-kv-cache-manager "
+                        "keeps them, and prefix caching with them)")  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len))
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
@@ -118,7 +129,8 @@ class EngineCore:
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         self.runner = ModelRunner(model, mcfg, num_blocks, block_size, self.dtype, self.device,
                                   kv_cache_dtype=kv_cache_dtype,
-                                  kv_cache_prefault=config.cache.kv_cache_prefault)  # fmt: skip
+                                  kv_cache_prefault=config.cache.kv_cache_prefault,
+                                  layout=layout)  # fmt: skip
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
@@ -137,8 +149,10 @@ class EngineCore:
         if verbose:
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
-            logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s)", num_blocks, capacity,
-                        num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype))  # fmt: skip
+            logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s; %s)", num_blocks,
+                        num_blocks * block_size * layout.group_size // mcfg.num_layers,
+                        num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype),
+                        layout.describe())  # fmt: skip
 
     def _proposer_context(self) -> ProposerContext:
         c = self.config
@@ -147,7 +161,10 @@ class EngineCore:
             tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
             quantization=c.quantization, quantization_group_size=c.quantization_group_size,
-            num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
+            # In blocks of every layer (a draft model's pool holds as many tokens as the target's
+            # would without KV cache groups).
+            num_kv_blocks=max(1, self.kv.pool.num_blocks // self.kv.layout.num_groups),
+            block_size=self.kv.block_size,
             enable_prefix_caching=c.cache.enable_prefix_caching,
         )  # fmt: skip
 

@@ -14,6 +14,10 @@ for a scratch block (`KVCacheManager.allocate_scratch`) with the same keys befor
 computed earlier are copied in before the forward (`scratch_copies`), those of this step are
 written twice (`AttentionMetadata.mirror_rows`). A leaf then sees exactly the keys a decode at its
 position would, in the same places: its logits match one-at-a-time decoding bit for bit.
+
+With several KV cache groups (inferd/kv/kv_groups.py: sliding-window layers apart from full ones),
+every group has its own block tables, so its own slots and tables in the plan: the step builds one
+`AttentionMetadata` per group over the same rows, and each layer attends with its group's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.kv.kv_cache import KVCache
+from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
 from inferd.layers.quantized_linear import pack_quantized_weights
@@ -51,11 +56,14 @@ KERNEL_PIECE_ROWS = 256
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    layers: int | None = None,
 ) -> torch.Tensor:
-    """[layers, 2 (k/v; 1 where one plane serves as both: MLA), num_blocks, block_size, kv_heads, head_dim]"""
+    """[layers, 2 (k/v; 1 where one plane serves as both: MLA), num_blocks, block_size, kv_heads,
+    head_dim]; `layers`: the layers one block holds (a KV group's, inferd/kv/kv_groups.py), by
+    default every layer of the model."""
     planes, heads, head_dim = cfg.kv_layout()
-    shape = (cfg.num_layers, planes, num_blocks, block_size, heads, head_dim)
+    shape = (layers or cfg.num_layers, planes, num_blocks, block_size, heads, head_dim)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if _maps_lazily(nbytes, device):
         # A mapping of its own, not torch.empty: malloc maps a large block afresh only when no
@@ -104,8 +112,10 @@ class ModelRunner:
         use_attention_kernel: bool = True,
         kv_cache_dtype: str = "auto",
         kv_cache_prefault: int = 0,
+        layout: KVLayout | None = None,
     ) -> None:
         self.model = model
+        self.layout = layout or KVLayout.single(cfg.num_layers)
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.device = device
@@ -127,9 +137,10 @@ class ModelRunner:
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py
-        data = allocate_kv_cache(self.cfg, self.num_blocks, self.block_size, storage, self.device)
+        data = allocate_kv_cache(self.cfg, self.num_blocks, self.block_size, storage, self.device,
+                                 self.layout.group_size)  # fmt: skip
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
-        self.kv_caches = self.kv_cache.layers()
+        self.kv_caches = self.kv_cache.layers(self.layout.layer_slot)
         self.kv_prefaulter = None
         if self.kv_cache_prefault > 0 and is_lazily_zeroed(data):
             self.kv_prefaulter = KVPrefaulter(data, self.kv_cache_prefault)
@@ -154,30 +165,34 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         bs = self.block_size
+        num_groups = self.layout.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        # Short queries go to the padded group: (first row, q_len, context after step, table).
-        group: list[tuple[int, int, int, list[int]]] = []
-        kernel_group: list[tuple[int, int, int, list[int]]] = []
-        prefills: list[PrefillSlice] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
+        # Short queries go to the padded group: (first row, q_len, context after step, tables),
+        # `tables` holding one block table per KV group.
+        group: list[tuple[int, int, int, list[list[int]]]] = []
+        kernel_group: list[tuple[int, int, int, list[list[int]]]] = []
+        # Long chunks (no kernel): (first row, q_len, context after step, tables, mask).
+        prefills: list[tuple[int, int, int, list[list[int]], torch.Tensor | None]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_counts: list[int] = []
         leaves = None
         if any(seq.spec.leaves for seq, _ in out.scheduled):
-            leaves = _LeafRows(sum(n for _, n in out.scheduled))
+            leaves = _LeafRows(sum(n for _, n in out.scheduled), num_groups)
         for i, (seq, n) in enumerate(out.scheduled):
             start = seq.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
-            table = out.block_tables[i]
+            tables = out.block_tables[i]
             num_tokens = seq.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             if end > num_tokens:  # draft tokens to verify follow the last real token
                 input_ids.extend(seq.spec.token_ids[: end - num_tokens])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for g, table in enumerate(tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if self.attention_kernel is not None:
                 # Every query through the one kernel, so a row's attention has the same bits
                 # whatever its chunk (a full prefill, a cache-hit suffix, a decode). Long queries
@@ -185,17 +200,16 @@ class ModelRunner:
                 for a in range(0, n, KERNEL_PIECE_ROWS):
                     m = min(KERNEL_PIECE_ROWS, n - a)
                     ctx = start + a + m
-                    kernel_group.append((row0 + a, m, ctx, table[: (ctx + bs - 1) // bs]))
+                    kernel_group.append((row0 + a, m, ctx, [t[: (ctx + bs - 1) // bs] for t in tables]))
             elif n <= PADDED_GROUP_MAX_QUERY:
-                group.append((row0, n, end, table[: (end + bs - 1) // bs]))
+                group.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables]))
             else:
                 mask = None
                 if start > 0:
                     # query i sits at position start + i and sees keys [0, start + i].
                     q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
-                block_table = self.as_tensor(table[: (end + bs - 1) // bs])
-                prefills.append(PrefillSlice(row0, row0 + n, end, block_table, mask))
+                prefills.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables], mask))
             if end >= num_tokens:
                 first = row0 + num_tokens - 1 - start
                 sample_rows.extend(range(first, row0 + n))
@@ -203,49 +217,71 @@ class ModelRunner:
                 sample_counts.append(row0 + n - first + len(seq.spec.leaves))
                 if seq.spec.leaves:
                     scratch = out.scratch[seq.seq_id]
-                    sample_rows.extend(leaves.add(seq, row0, start, table, scratch, bs))
+                    sample_rows.extend(leaves.add(seq, row0, start, tables, scratch, bs))
         if leaves is not None:
             input_ids.extend(leaves.input_ids)
             positions.extend(leaves.positions)
-            slots.extend(leaves.slots)
+            for g in range(num_groups):
+                slots[g].extend(leaves.slots[g])
             target = kernel_group if self.attention_kernel is not None else group
             target.extend(leaves.entries)
 
-        meta = AttentionMetadata(
-            slot_mapping=self.as_tensor(slots),
-            block_size=bs,
-            group=self._padded_group(group, len(input_ids)) if group else None,
-            prefills=prefills,
-            kernel_group=self._padded_group(kernel_group, len(input_ids)) if kernel_group else None,
-        )
+        padded = self._padded_group(group, len(input_ids)) if group else [None] * num_groups
+        kernel = self._padded_group(kernel_group, len(input_ids)) if kernel_group else [None] * num_groups
+        slot_mappings = self.as_tensor(slots)  # [groups, T]: one tensor, a row per group
+        metas = [
+            AttentionMetadata(
+                slot_mapping=slot_mappings[g],
+                block_size=bs,
+                group=padded[g],
+                prefills=[PrefillSlice(r, r + n, end, self.as_tensor(tables[g]), mask)
+                          for r, n, end, tables, mask in prefills],
+                kernel_group=kernel[g],
+            )
+            for g in range(num_groups)
+        ]  # fmt: skip
+        meta = metas[0]
+        if num_groups > 1:
+            meta.kv_groups = metas
+            meta.layer_group = self.layout.layer_group
         batch = StepBatch(self.as_tensor(input_ids), self.as_tensor(positions), meta, sample_rows,
                           sample_seqs, sample_counts)  # fmt: skip
         if leaves is not None:
-            meta.mirror_rows = self.as_tensor(leaves.mirror_rows)
-            meta.mirror_slots = self.as_tensor(leaves.mirror_slots)
+            mirror_rows = self.as_tensor(leaves.mirror_rows)
+            mirror_slots = self.as_tensor(leaves.mirror_slots)  # [groups, M]
+            for g, m in enumerate(metas):
+                m.mirror_rows = mirror_rows
+                m.mirror_slots = mirror_slots[g]
             batch.leaf_rows = leaves.first_rows
             batch.scratch_copies = (leaves.copy_src, leaves.copy_dst)
         return batch
 
-    def _padded_group(self, group: list[tuple[int, int, int, list[int]]], num_rows: int) -> PaddedGroup:
+    def _padded_group(
+        self, group: list[tuple[int, int, int, list[list[int]]]], num_rows: int
+    ) -> list[PaddedGroup]:
+        """The group's plan for each KV group: the same rows, each group's own block tables."""
         bs = self.block_size
         q_max = max(n for _, n, _, _ in group)
-        width = max(len(t) for *_, t in group)
+        width = max(len(t[0]) for *_, t in group)
         token_rows: list[int] = []
         padded_index: list[int] = []
         for b, (row0, n, _, _) in enumerate(group):
             token_rows.extend(range(row0, row0 + n))
             padded_index.extend(range(b * q_max, b * q_max + n))
-        tables = self.as_tensor([t + [0] * (width - len(t)) for *_, t in group])
+        # [groups, B, width] in one tensor; group g's tables are its (contiguous) row g.
+        tables = self.as_tensor([[t[g] + [0] * (width - len(t[g])) for *_, t in group]
+                                 for g in range(self.layout.num_groups)]).unbind(0)  # fmt: skip
         q_len = self.as_tensor([n for _, n, _, _ in group])
         ctx = self.as_tensor([c for _, _, c, _ in group])
+        token_rows_t, padded_index_t = self.as_tensor(token_rows), self.as_tensor(padded_index)
         if self.attention_kernel is not None:
-            return PaddedGroup(
-                token_rows=self.as_tensor(token_rows), padded_index=self.as_tensor(padded_index),
-                block_tables=tables, mask=None, q_max=q_max,
+            row_start = self.as_tensor([r for r, _, _, _ in group])
+            return [PaddedGroup(
+                token_rows=token_rows_t, padded_index=padded_index_t,
+                block_tables=t, mask=None, q_max=q_max,
                 is_whole_batch=False, kernel=self.attention_kernel,
-                row_start=self.as_tensor([r for r, _, _, _ in group]), q_lens=q_len, ctx_lens=ctx,
-            )  # fmt: skip
+                row_start=row_start, q_lens=q_len, ctx_lens=ctx,
+            ) for t in tables]  # fmt: skip
         q_len, ctx = q_len.view(-1, 1, 1), ctx.view(-1, 1, 1)
         i = torch.arange(q_max, device=self.device).view(1, -1, 1)
         j = torch.arange(width * bs, device=self.device).view(1, 1, -1)
@@ -253,17 +289,22 @@ class ModelRunner:
         # query rows (i >= q_len) see key 0 only: never an all-masked row (NaN), output dropped.
         mask = (j <= ctx - q_len + i) | ((i >= q_len) & (j == 0))
         whole = q_max == 1 and token_rows == list(range(num_rows))
-        return PaddedGroup(
-            token_rows=self.as_tensor(token_rows),
-            padded_index=self.as_tensor(padded_index),
-            block_tables=tables,
-            mask=mask.unsqueeze(1),
-            q_max=q_max,
-            is_whole_batch=whole,
-            q_lens=q_len.view(-1),
-            ctx_lens=ctx.view(-1),
-            shared=shared_prefix([(n, c, t) for _, n, c, t in group], q_max, bs, self.device),
-        )
+        window_masks: dict[int, torch.Tensor] = {}  # the same rows in every group: shared
+        return [
+            PaddedGroup(
+                token_rows=token_rows_t,
+                padded_index=padded_index_t,
+                block_tables=t,
+                mask=mask.unsqueeze(1),
+                q_max=q_max,
+                is_whole_batch=whole,
+                q_lens=q_len.view(-1),
+                ctx_lens=ctx.view(-1),
+                shared=shared_prefix([(n, c, ts[g]) for _, n, c, ts in group], q_max, bs, self.device),
+                _window_masks=window_masks,
+            )
+            for g, t in enumerate(tables)
+        ]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
@@ -297,39 +338,46 @@ class ModelRunner:
 
 class _LeafRows:
     """The rows, keys and scratch-block copies of a step's draft-tree leaves (module docstring),
-    placed after the step's `first_row` rows of scheduled sequences."""
+    placed after the step's `first_row` rows of scheduled sequences; slots and tables per KV
+    group (the slot copies of every group in one list: a block id is one group's)."""
 
-    def __init__(self, first_row: int) -> None:
+    def __init__(self, first_row: int, num_groups: int) -> None:
         self.next_row = first_row
         self.input_ids: list[int] = []
         self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.entries: list[tuple[int, int, int, list[int]]] = []  # (row, 1, context, table)
+        self.slots: list[list[int]] = [[] for _ in range(num_groups)]
+        self.entries: list[tuple[int, int, int, list[list[int]]]] = []  # (row, 1, context, tables)
         self.mirror_rows: list[int] = []
-        self.mirror_slots: list[int] = []
+        self.mirror_slots: list[list[int]] = [[] for _ in range(num_groups)]
         self.copy_src: list[int] = []
         self.copy_dst: list[int] = []
         self.first_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first leaf row)
 
     def add(
-        self, seq: Sequence, row0: int, start: int, table: list[int], scratch: list[int], bs: int
+        self, seq: Sequence, row0: int, start: int, tables: list[list[int]], scratch: list[list[int]],
+        bs: int,
     ) -> range:
-        """Rows for `seq`'s leaves; `row0`: the row of its last real token, at position `start`."""
+        """Rows for `seq`'s leaves; `row0`: the row of its last real token, at position `start`;
+        `tables` / `scratch`: its block tables and leaf blocks, per KV group."""
         first = self.next_row
         self.first_rows[seq.seq_id] = (row0, first)
-        for (depth, token), block in zip(seq.spec.leaves, scratch):
+        for leaf, (depth, token) in enumerate(seq.spec.leaves):
             pos = start + depth
             base = pos - pos % bs  # the block's first position
             for q in range(base, pos):  # the keys before the leaf's in its block
-                if q < start:  # computed in an earlier step: copied in before the forward
-                    self.copy_src.append(table[q // bs] * bs + q % bs)
-                    self.copy_dst.append(block * bs + q % bs)
-                else:  # the last real token or a draft above the leaf: written there too
+                if q >= start:  # the last real token or a draft above the leaf: written there too
                     self.mirror_rows.append(row0 + q - start)
-                    self.mirror_slots.append(block * bs + q % bs)
+            for g, (table, blocks) in enumerate(zip(tables, scratch)):
+                block = blocks[leaf]
+                for q in range(base, pos):
+                    if q < start:  # computed in an earlier step: copied in before the forward
+                        self.copy_src.append(table[q // bs] * bs + q % bs)
+                        self.copy_dst.append(block * bs + q % bs)
+                    else:
+                        self.mirror_slots[g].append(block * bs + q % bs)
+                self.slots[g].append(block * bs + pos % bs)
             self.input_ids.append(token)
             self.positions.append(pos)
-            self.slots.append(block * bs + pos % bs)
-            self.entries.append((self.next_row, 1, pos + 1, table[: pos // bs] + [block]))
+            self.entries.append((self.next_row, 1, pos + 1, [t[: pos // bs] + [b[leaf]] for t, b in zip(tables, scratch)]))
             self.next_row += 1
         return range(first, self.next_row)

@@ -14,12 +14,15 @@ of 256 (fp32): the same memory holds 3.76x the tokens (1.88x against bf16).
 
 Layout: data [layers, 2 (k/v; 1 for MLA latents, K and V alike), num_blocks, block_size, kv_heads,
 head_dim] (uint8 codes when quantized), scales [layers, 2, num_blocks, block_size, kv_heads] fp32
-(quantized only).
+(quantized only). With KV cache groups (inferd/kv/kv_groups.py) the first dimension is one
+group's layers: a block id is a page of that many layers, and each layer of the model maps to one
+of them.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,14 +175,18 @@ class KVCache:
         n = self.data.numel() * self.data.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * 4)
 
-    def layers(self) -> list[tuple[LayerKV, LayerKV]]:
+    def layers(self, layer_slot: Sequence[int] | None = None) -> list[tuple[LayerKV, LayerKV]]:
         """Per layer (K, V): views of the pool, plain tensors or `QuantizedKV` (with one plane,
-        MLA's latents, K and V are the same view)."""
+        MLA's latents, K and V are the same view). `layer_slot[l]`: the pool's first index layer
+        l uses (KV cache groups, inferd/kv/kv_groups.py: layers of different groups share a slot
+        and differ by block ids); default: layer l, slot l."""
+        if layer_slot is None:
+            layer_slot = range(self.data.shape[0])
         v_plane = self.data.shape[1] - 1
         if self.scales is None:
-            return [(self.data[i, 0], self.data[i, v_plane]) for i in range(self.data.shape[0])]
+            return [(self.data[i, 0], self.data[i, v_plane]) for i in layer_slot]
         return [tuple(QuantizedKV(self.data[i, j], self.scales[i, j], self.fmt) for j in (0, v_plane))
-                for i in range(self.data.shape[0])]  # fmt: skip
+                for i in layer_slot]  # fmt: skip
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Flat slots `src` → `dst` in every layer, K and V (scales too)."""

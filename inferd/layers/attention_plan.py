@@ -150,3 +150,22 @@ class AttentionMetadata:
     # (inferd/engine/model_runner.py). None when the step has no leaves.
     mirror_rows: torch.Tensor | None = None
     mirror_slots: torch.Tensor | None = None
+    # KV cache groups (inferd/kv/kv_groups.py), when the model has more than one: each group's
+    # plan (the same rows, its own slots and block tables) and the group of each layer. This
+    # plan is group 0's. None: one group, every layer reads this plan.
+    kv_groups: list[AttentionMetadata] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def groups(self) -> list[AttentionMetadata]:
+        """Every KV group's plan, in group order."""
+        return self.kv_groups if self.kv_groups is not None else [self]
+
+    def layer_groups(self, num_layers: int) -> list[int]:
+        """The KV group of each of the model's `num_layers` layers."""
+        return list(self.layer_group) if self.layer_group is not None else [0] * num_layers
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The plan layer `layer` attends with: its KV group's."""
+        if self.kv_groups is None:
+            return self
+        return self.kv_groups[self.layer_group[layer]]

@@ -258,7 +258,7 @@ class DecoderForCausalLM(nn.Module):
             return self.norm(self._decode_layers(ext, x, ropes, kv_caches, meta, captured))
         captured = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x = layer.forward(x, ropes, kv, meta)
+            x = layer.forward(x, ropes, kv, meta.for_layer(i))
             if i in self.capture_layers:
                 captured.append(x)
         self.captured = captured
@@ -336,11 +336,13 @@ class DecoderForCausalLM(nn.Module):
         else:
             quant = ext.QuantizedCaches([], [], 0, 0.0)
             k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
+        groups = meta.groups()  # KV cache groups: each its own slots and block tables
         return ext.decode_layers(
             x, layers, specs, k_caches, v_caches, [r[0] for r in ropes], [r[1] for r in ropes],
-            meta.slot_mapping, kg.row_start, kg.q_lens, kg.ctx_lens, kg.block_tables, shape, quant,
-            meta.mirror_rows, meta.mirror_slots, list(self.capture_layers) if captured is not None else [],
-            captured,
+            [m.slot_mapping for m in groups], kg.row_start, kg.q_lens, kg.ctx_lens,
+            [m.kernel_group.block_tables for m in groups], meta.layer_groups(len(layers)), shape, quant,
+            meta.mirror_rows, [m.mirror_slots for m in groups] if meta.mirror_rows is not None else [],
+            list(self.capture_layers) if captured is not None else [], captured,
         )  # fmt: skip
 
     def weights_repacked(self) -> None:

@@ -28,8 +28,9 @@ class SchedulerOutput:
     - `scheduled[i] = (seq, n)`: `seq` computes positions [num_computed, num_computed + n) this
       step (a prompt chunk, a decode, or a verification of 1 + k with its drafts), in batch order;
     - `starts[i]`: its first position this step (its num_computed_tokens when scheduled);
-    - `block_tables[i]`: its block table (covers at least those positions; read-only);
-    - `scratch[seq_id]`: the scratch blocks its draft-tree leaves are verified in;
+    - `block_tables[i]`: its block table per KV cache group (each covers at least those
+      positions; read-only; inferd/kv/kv_groups.py);
+    - `scratch[seq_id]`: per group, the scratch blocks its draft-tree leaves are verified in;
     - `block_copies` / `slot_copies`: (src, dst) KV copies to apply before the forward pass
       (copy-on-write of shared blocks; accepted leaves moved out of last step's scratch blocks);
     - `kv_high_water`: blocks of the pool ever handed out (the runner pre-faults ahead of it).
@@ -39,8 +40,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     starts: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    scratch: dict[int, list[int]] = field(default_factory=dict)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
+    scratch: dict[int, list[list[int]]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     slot_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_high_water: int = 0
@@ -58,9 +59,8 @@ class SchedulerOutput:
         return out
 
     def attach_kv(self, kv: KVCacheManager) -> None:
-        tables = kv.block_tables
         self.starts = [seq.num_computed_tokens for seq, _ in self.scheduled]
-        self.block_tables = [tables[seq.seq_id] for seq, _ in self.scheduled]
+        self.block_tables = [kv.tables(seq.seq_id) for seq, _ in self.scheduled]
         if kv.scratch:
             self.scratch = {seq.seq_id: kv.scratch[seq.seq_id] for seq, _ in self.scheduled
                             if seq.seq_id in kv.scratch}  # fmt: skip
@@ -184,11 +184,12 @@ class Scheduler:
                     break
             else:
                 # Each leaf of a draft tree verifies in a scratch block of its own (freed once
-                # verified). Leaves are optional: they never take the block another running
-                # sequence may need this step (which would preempt someone); then the chain alone
-                # is verified.
+                # verified). Leaves are optional: they never take the blocks another running
+                # sequence may need this step (one per KV group, which would preempt someone);
+                # then the chain alone is verified.
                 leaves = len(seq.spec.leaves)
-                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=len(self.running)):
+                keep = len(self.running) * self.kv.num_groups
+                if leaves and not self.kv.allocate_scratch(seq.seq_id, leaves, keep=keep):
                     seq.spec.leaves = []
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
@@ -265,7 +266,7 @@ class Scheduler:
             if s.num_accepted is not None:
                 if s.leaf is not None:  # the leaf's K/V takes the place of the draft it displaced
                     pos = seq.num_computed_tokens + seq.spec.leaves[s.leaf][0]
-                    self.kv.move_slot(seq.seq_id, self.kv.scratch[seq.seq_id][s.leaf], pos)
+                    self.kv.move_slot(seq.seq_id, s.leaf, pos)
                 self.kv.free_scratch(seq.seq_id)
                 # The last real token and the accepted drafts now have K/V.
                 seq.num_computed_tokens += 1 + s.num_accepted

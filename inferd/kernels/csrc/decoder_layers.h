@@ -113,12 +113,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const std::vector<LayerSpec>& specs,
                             const std::vector<torch::Tensor>& k_caches,
                             const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& cos,
-                            const std::vector<torch::Tensor>& sin, const torch::Tensor& slot_mapping,
+                            const std::vector<torch::Tensor>& sin,
+                            const std::vector<torch::Tensor>& slot_mappings,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
-                            const torch::Tensor& ctx_lens, const torch::Tensor& block_tables,
+                            const torch::Tensor& ctx_lens, const std::vector<torch::Tensor>& block_tables,
+                            const std::vector<int64_t>& layer_groups,
                             const Shape& s, const QuantizedCaches& quant,
                             const std::optional<torch::Tensor>& mirror_rows,
-                            const std::optional<torch::Tensor>& mirror_slots,
+                            const std::vector<torch::Tensor>& mirror_slots,
                             const std::vector<int64_t>& capture,
                             const std::optional<torch::Tensor>& captured) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size() && layers.size() == specs.size(),
@@ -126,6 +128,15 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decode_layers: one sin table per cos table");
   for (const LayerSpec& spec : specs)
     TORCH_CHECK(spec.rope >= 0 && spec.rope < static_cast<int64_t>(cos.size()), "decode_layers: rope table out of range");
+  // KV cache groups (inferd/kv/kv_groups.py): layer i writes and reads through group
+  // layer_groups[i]'s slots and block tables; every group shares the rows and lengths.
+  TORCH_CHECK(layer_groups.size() == layers.size(), "decode_layers: one KV group per layer");
+  TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
+              "decode_layers: one slot mapping and one block table per KV group");
+  TORCH_CHECK(!mirror_rows.has_value() || mirror_slots.size() == slot_mappings.size(),
+              "decode_layers: one mirror slot list per KV group");
+  for (int64_t g : layer_groups)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(slot_mappings.size()), "decode_layers: KV group out of range");
   const bool quantized = !quant.k_scales.empty();
   TORCH_CHECK(!quantized || (quant.k_scales.size() == layers.size() && quant.v_scales.size() == layers.size()),
               "decode_layers: one K and one V scale tensor per layer");
@@ -145,6 +156,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerWeights& l = layers[i];
     const LayerSpec& spec = specs[i];
+    const torch::Tensor& slot_mapping = slot_mappings[layer_groups[i]];
+    const torch::Tensor& tables = block_tables[layer_groups[i]];
     if (pending.defined()) {
       std::tie(x, h) = layer_ops::add_rms_norm(x, pending, l.input_norm, s.eps);
       keep_output_of(i - 1);
@@ -176,24 +189,24 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
       if (quantized) {
         const torch::Tensor mk = k.index_select(0, *mirror_rows);
         const torch::Tensor mv = v_rows.index_select(0, *mirror_rows);
-        write_quantized(k_caches[i], quant.k_scales[i], *mirror_slots, mk, quant.code, quant.qmax);
-        write_quantized(v_caches[i], quant.v_scales[i], *mirror_slots, mv, quant.code, quant.qmax);
+        write_quantized(k_caches[i], quant.k_scales[i], mirror_slots[layer_groups[i]], mk, quant.code, quant.qmax);
+        write_quantized(v_caches[i], quant.v_scales[i], mirror_slots[layer_groups[i]], mv, quant.code, quant.qmax);
       } else {
-        layer_ops::write_rows(k_caches[i], *mirror_slots, k, &*mirror_rows);
-        layer_ops::write_rows(v_caches[i], *mirror_slots, v_rows, &*mirror_rows);
+        layer_ops::write_rows(k_caches[i], mirror_slots[layer_groups[i]], k, &*mirror_rows);
+        layer_ops::write_rows(v_caches[i], mirror_slots[layer_groups[i]], v_rows, &*mirror_rows);
       }
     }
     if (quantized) {
       write_quantized(k_caches[i], quant.k_scales[i], slot_mapping, k, quant.code, quant.qmax);
       write_quantized(v_caches[i], quant.v_scales[i], slot_mapping, v_rows, quant.code, quant.qmax);
       paged_attn::paged_attention_short_quant(q, k_caches[i], v_caches[i], quant.k_scales[i], quant.v_scales[i],
-                                              quant.code, row_start, q_lens, ctx_lens, block_tables, o, spec.scale,
+                                              quant.code, row_start, q_lens, ctx_lens, tables, o, spec.scale,
                                               spec.window, spec.softcap);
     } else {
       layer_ops::write_rows(k_caches[i], slot_mapping, k);
       layer_ops::write_rows(v_caches[i], slot_mapping, v_rows);
       paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
-                                        block_tables, o, spec.scale, spec.window, spec.softcap);
+                                        tables, o, spec.scale, spec.window, spec.softcap);
     }
     torch::Tensor attn = linear(l.o, o.reshape({t, q_size}), s);
     if (l.post_attn_norm.defined()) attn = layer_ops::rms_norm(attn, l.post_attn_norm, s.eps);
