@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 import inferd
 from inferd.engine.async_engine import AsyncEngine
+from inferd.server.debug import install_debug_routes
 from inferd.server.errors import APIError, api_errors, error_response, install_error_handlers
 from inferd.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -33,6 +34,7 @@ from inferd.server.protocol import (
 from inferd.server.serving_chat import create_chat_completion, render_chat
 from inferd.server.serving_common import ServerState, encode, model_loading_error
 from inferd.server.serving_completions import create_completion
+from inferd.server.supervisor import EngineSupervisor, SupervisionConfig
 
 logger = logging.getLogger("inferd.server")
 
@@ -49,16 +51,23 @@ def build_app(
     log_requests: bool = True,
     on_ready: Any = None,
     tool_call_parser: str = "auto",
+    supervision: SupervisionConfig | None = None,
+    enable_debug_endpoints: bool = False,
 ) -> FastAPI:
     """An app serving `engine` (not started yet: the app's lifespan starts and stops it).
 
     `on_ready(engine)` is called once the model has loaded (the CLI logs the startup line there).
     `tool_call_parser`: how tool calls are read from outputs (a name in TOOL_PARSERS, or "auto").
+    `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
+    defaults); `enable_debug_endpoints`: /debug/* (debug.py).
     """
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
     engine.observer = metrics
     state = ServerState(
         engine, served_model_names, metrics, max_log_len, log_requests, tool_call_parser
+    )
+    state.supervisor = EngineSupervisor(
+        engine, supervision or SupervisionConfig(), metrics.registry, served_model_names[0]
     )
     # Set once the startup line is logged: /health says 200 only then, so whatever waits for it
     # (a supervisor, a test) finds the line (on uvloop the health request could run first).
@@ -69,6 +78,8 @@ def build_app(
         import asyncio
 
         engine.start()
+        assert state.supervisor is not None
+        state.supervisor.start()
 
         async def announce() -> None:
             try:
@@ -85,6 +96,7 @@ def build_app(
             yield
         finally:
             task.cancel()
+            state.supervisor.close()
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
     app = FastAPI(
@@ -98,6 +110,8 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: refuse before reading
+    if enable_debug_endpoints:
+        install_debug_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     @api_errors
@@ -128,6 +142,8 @@ def build_app(
     @app.get("/health", response_model=None)
     @api_errors
     async def health() -> Response:
+        if (err := state.supervisor.health_error()) is not None:  # type: ignore[union-attr]
+            return error_response(err)
         if engine.ready and started.is_set():
             return Response(status_code=200)
         if engine.ready:

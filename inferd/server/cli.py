@@ -7,6 +7,7 @@ import logging
 
 from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from inferd.server.supervisor import add_supervision_args, supervision_config
 from inferd.structured.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger("inferd.server")
@@ -77,6 +78,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
     )
+    add_supervision_args(g)
     g.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=cmd_serve)
     return p
@@ -104,10 +106,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.core import EngineCore
     from inferd.server.app import build_app
+    from inferd.server.stream_guards import http_protocol
 
     if args.max_queue_len is not None and args.max_queue_len < 0:
         raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     config = engine_config_from_args(args)  # validated here, before the port opens
+    supervision = supervision_config(args)
     template = None
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -148,6 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         bind_cpus=args.engine_process,  # this process only serves HTTP: it may move
         stream_interval=args.stream_interval,
+        max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
     )
     app = build_app(
         engine,
@@ -158,6 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests,
         on_ready=on_ready,
         tool_call_parser=args.tool_call_parser,
+        supervision=supervision,
+        enable_debug_endpoints=args.enable_debug_endpoints,
     )
     logger.info("starting the server on %s; loading the model", url)
     uvicorn.run(
@@ -166,5 +173,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,
+        http=http_protocol(),
     )
     return 0

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from fastapi import Request
@@ -21,8 +21,12 @@ from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import _SamplingFields
+from inferd.server.stream_guards import arm_deadlines, check_timeout, drop_client_on_overflow
 from inferd.structured import StructuredOutputsParams
 from inferd.structured.tool_parsers import ToolParser, tool_parser
+
+if TYPE_CHECKING:
+    from inferd.server.supervisor import EngineSupervisor
 
 logger = logging.getLogger("inferd.server")
 
@@ -45,6 +49,7 @@ class ServerState:
     log_requests: bool = True
     tool_call_parser: str = "auto"  # --tool-call-parser: a name in TOOL_PARSERS, or "auto"
     created: int = field(default_factory=lambda: int(time.time()))
+    supervisor: EngineSupervisor | None = None  # restarts, heartbeat (supervisor.py)
 
     @property
     def model_name(self) -> str:
@@ -65,6 +70,8 @@ class ServerState:
     def ready_engine(self) -> AsyncEngine:
         """The engine, or 503 while the model loads (or after it failed)."""
         if not self.engine.ready:
+            if self.supervisor is not None and (err := self.supervisor.request_error()):
+                raise err
             if self.engine.load_error is not None:
                 raise APIError(
                     503, f"the model failed to load: {self.engine.load_error}", code="engine_dead"
@@ -234,12 +241,16 @@ async def add_requests(
     priority: int,
     texts: list[str] | None = None,
     stream: bool = True,
+    timeout: float | None = None,
 ) -> list[RequestStream]:
     """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted).
 
     `texts`: the prompts as the user wrote them, for the request log (ids are logged otherwise).
     `stream=False`: the response is built from the final outputs only.
+    `timeout`: seconds from now until the requests are aborted with a 408 (stream_guards.py).
     """
+    started = time.monotonic()
+    check_timeout(timeout)
     engine = state.ready_engine()
     streams: list[RequestStream] = []
     try:
@@ -253,6 +264,8 @@ async def add_requests(
         if isinstance(e, Exception):
             raise to_api_error(e, user_input=False) from e
         raise
+    counter = state.supervisor.request_timeouts_total.inc if state.supervisor else None
+    arm_deadlines(streams, timeout, started, counter)
     return streams
 
 
@@ -268,16 +281,19 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         finally:
             streams[0].close()
         return
-    queue: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue()
+    # Bounded: a client that reads slowly leaves the updates in the streams, which bound them.
+    queue: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue(
+        len(streams)
+    )
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for update in stream:
-                queue.put_nowait((i, update))
+                await queue.put((i, update))
         except Exception as e:  # noqa: BLE001 — re-raised by the consumer below
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
             return
-        queue.put_nowait((i, None))
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -343,6 +359,7 @@ class EngineStreamingResponse(StreamingResponse):
         self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        drop_client_on_overflow(scope, self._streams)
         try:
             await super().__call__(scope, receive, send)
         finally:

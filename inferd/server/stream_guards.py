@@ -1,0 +1,96 @@
+"""Guards on a request's life in the front end: its `timeout` (a deadline that aborts it and frees
+its KV) and its stream's bound (a client that stops reading is dropped, not buffered for).
+
+Backpressure, end to end: a client that stops reading fills its socket buffers, then uvicorn's
+transport passes its high-water mark and `send` waits; the SSE body stops taking updates, and the
+engine's news piles up in the request's `RequestStream`. Past `--max-stream-buffer-tokens` tokens
+the stream fails itself (the engine aborts the request and frees its blocks before the next step)
+and the connection is aborted here: a graceful close would wait forever to flush to a client that
+never reads. uvicorn does not hand the ASGI app its transport, so `http_protocol()` is uvicorn's
+own httptools protocol with the transport put in the scope's extensions; without it (another
+protocol) the response's task is cancelled, and uvicorn closes the connection itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from starlette.types import Scope
+
+from inferd.engine.async_engine import RequestStream
+from inferd.server.errors import APIError
+
+TRANSPORT_EXTENSION = "inferd.transport"
+
+
+class RequestTimeoutError(APIError):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            408,
+            f"the request did not finish within its timeout of {timeout:g} s; it was aborted",
+            param="timeout",
+            code="request_timeout",
+        )
+
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise APIError(400, f"timeout must be > 0 seconds, got {timeout}", param="timeout")
+
+
+def arm_deadlines(
+    streams: list[RequestStream],
+    timeout: float | None,
+    started: float,
+    on_timeout: Callable[[], None] | None = None,
+) -> None:
+    """Each stream fails with a 408 `request_timeout` unless it ends `timeout` seconds after
+    `started` (time.monotonic()); `on_timeout` counts each request that hit it."""
+    if timeout is None:
+        return
+    counted = False
+
+    def error() -> Exception:
+        nonlocal counted
+        if on_timeout is not None and not counted:
+            counted = True
+            on_timeout()
+        return RequestTimeoutError(timeout)
+
+    left = timeout - (time.monotonic() - started)
+    for stream in streams:
+        stream.set_deadline(left, error)
+
+
+def drop_client_on_overflow(scope: Scope, streams: list[RequestStream]) -> None:
+    """When one of `streams` overflows, abort the connection it streams to."""
+    transport = (scope.get("extensions") or {}).get(TRANSPORT_EXTENSION)
+    task = asyncio.current_task()
+
+    def drop() -> None:
+        if transport is not None:
+            transport.abort()
+        elif task is not None:
+            task.cancel()
+
+    for stream in streams:
+        stream.on_overflow = drop
+
+
+def http_protocol() -> type | str:
+    """uvicorn's `http=`: its httptools protocol, telling the app its transport; else "auto"."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+
+    class TransportInScope(HttpToolsProtocol):
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            extensions = dict(self.scope.get("extensions") or {})
+            extensions[TRANSPORT_EXTENSION] = self.transport
+            self.scope["extensions"] = extensions  # type: ignore[typeddict-unknown-key]
+
+    return TransportInScope
