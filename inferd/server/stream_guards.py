@@ -9,11 +9,16 @@ and the connection is aborted here: a graceful close would wait forever to flush
 never reads. uvicorn does not hand the ASGI app its transport, so `http_protocol()` is uvicorn's
 own httptools protocol with the transport put in the scope's extensions; without it (another
 protocol) the response's task is cancelled, and uvicorn closes the connection itself.
+
+The same protocol caps each connection's kernel send buffer at `SOCKET_SEND_BUFFER`: Linux grows
+it up to `tcp_wmem`'s maximum (4 MiB here, ~20k streamed tokens) for a client that stops reading,
+which is kernel memory per idle reader and a long delay before the bound above is ever reached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 
@@ -23,6 +28,7 @@ from inferd.engine.async_engine import RequestStream
 from inferd.server.errors import APIError
 
 TRANSPORT_EXTENSION = "inferd.transport"
+SOCKET_SEND_BUFFER = 128 << 10  # bytes; plenty for token streams and large JSON bodies alike
 
 
 class RequestTimeoutError(APIError):
@@ -87,6 +93,15 @@ def http_protocol() -> type | str:
         return "auto"
 
     class TransportInScope(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
+                except OSError:
+                    pass  # not a TCP socket (a Unix socket may refuse): leave it as it is
+            super().connection_made(transport)
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             extensions = dict(self.scope.get("extensions") or {})
