@@ -59,7 +59,7 @@ def counter(http: httpx.Client, name: str, **labels: str) -> float:
     return metric(http.get("/metrics").text, f"inferd:{name}", model_name=MODEL, **labels)
 
 
-def wait_until(check, timeout: float = 60.0, what: str = "") -> None:  # noqa: ANN001
+def wait_until(check, timeout: float = 60.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
@@ -97,7 +97,9 @@ def test_a_timeout_aborts_the_request_and_frees_it(http: httpx.Client) -> None:
     ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "timeout": 60})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
     assert counter(http, "request_timeouts_total") == 2
-    wait_until(lambda: counter(http, "request_success_total", finished_reason="abort") == before + 2)
+    wait_until(
+        lambda: counter(http, "request_success_total", finished_reason="abort") == before + 2
+    )
     assert_no_leaks(http)
 
 

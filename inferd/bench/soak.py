@@ -37,6 +37,11 @@ from inferd.bench.prompts import _WORDS
 
 SCENARIOS = {"complete": 3, "stream": 3, "cancel": 2, "n": 1, "json": 1, "long": 1, "timeout": 1,
              "bad": 2}  # fmt: skip
+# Each client's first requests: the heaviest shapes first (they warm up the engine's largest
+# allocations before RSS is measured), then the other kinds, rotated per client so that a few
+# requests of each client cover every kind.
+HEAVY = ("long", "n")
+REST = ("json", "stream", "cancel", "bad", "timeout", "complete")
 RSS_LIMIT = 0.05
 
 _SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -85,33 +90,36 @@ def _text(rng: random.Random, words: int) -> str:
 
 
 class Client:
-    def __init__(self, url: str, model: str, tally: Tally) -> None:
+    def __init__(self, url: str, model: str, tally: Tally, max_tokens: int | None) -> None:
         self.url, self.model, self.tally = url, model, tally
+        self.cap = max_tokens or 1 << 30  # caps every request's max_tokens
 
-    async def one(self, session: aiohttp.ClientSession, rng: random.Random) -> None:
-        kind = rng.choices(list(SCENARIOS), weights=list(SCENARIOS.values()))[0]
+    def _tokens(self, rng: random.Random, low: int, high: int) -> int:
+        return min(rng.randint(low, high), self.cap)
+
+    async def one(self, session: aiohttp.ClientSession, rng: random.Random, kind: str) -> None:
         self.tally.sent[kind] += 1
         try:
             await getattr(self, f"_{kind}")(session, rng)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
             self.tally.bad(f"{kind}:{type(e).__name__}", str(e))
 
     # ---- scenarios ------------------------------------------------------------------------
     async def _complete(self, s: aiohttp.ClientSession, rng: random.Random) -> None:
         body = {"model": self.model, "prompt": _text(rng, rng.randint(4, 60)),
-                "max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 0.8]),
+                "max_tokens": self._tokens(rng, 1, 48), "temperature": rng.choice([0.0, 0.8]),
                 "seed": rng.randint(0, 1000)}  # fmt: skip
         await self._unary(s, "completions", body, 1)
 
     async def _n(self, s: aiohttp.ClientSession, rng: random.Random) -> None:
         n = rng.randint(2, 3)
         body = {"model": self.model, "messages": [{"role": "user", "content": _text(rng, 12)}],
-                "n": n, "max_tokens": rng.randint(8, 32), "temperature": 0.9}  # fmt: skip
+                "n": n, "max_tokens": self._tokens(rng, 8, 32), "temperature": 0.9}  # fmt: skip
         await self._unary(s, "chat/completions", body, n)
 
     async def _json(self, s: aiohttp.ClientSession, rng: random.Random) -> None:
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": _SCHEMA}}
-        body = {"model": self.model, "max_tokens": 64, "temperature": 0.0, "response_format": fmt,
+        body = {"model": self.model, "max_tokens": min(64, self.cap), "temperature": 0.0, "response_format": fmt,
                 "messages": [{"role": "user", "content": "Describe a person as JSON: "
                               + _text(rng, 5)}]}  # fmt: skip
         choices = await self._unary(s, "chat/completions", body, 1)
@@ -125,11 +133,11 @@ class Client:
         # Repetitive: prompt lookup finds its drafts; long: the small KV pool preempts.
         chunk = _text(rng, 20)
         body = {"model": self.model, "prompt": " ".join([chunk] * rng.randint(4, 8)),
-                "max_tokens": rng.randint(64, 192), "temperature": 0.0}  # fmt: skip
+                "max_tokens": self._tokens(rng, 64, 192), "temperature": 0.0}  # fmt: skip
         await self._unary(s, "completions", body, 1)
 
     async def _timeout(self, s: aiohttp.ClientSession, rng: random.Random) -> None:
-        body = {"model": self.model, "prompt": _text(rng, 8), "max_tokens": 200,
+        body = {"model": self.model, "prompt": _text(rng, 8), "max_tokens": 200,  # not capped
                 "ignore_eos": True, "timeout": rng.choice([0.05, 0.2, 0.5])}  # fmt: skip
         async with s.post(f"{self.url}/v1/completions", json=body) as r:
             data = await r.json(content_type=None)
@@ -144,13 +152,19 @@ class Client:
 
     async def _bad(self, s: aiohttp.ClientSession, rng: random.Random) -> None:
         body, want = rng.choice(_BAD)
-        endpoint = "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+        endpoint = (
+            "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+        )
         kwargs: dict[str, Any] = {"json": body} if isinstance(body, dict) else {
             "data": body, "headers": {"content-type": "application/json"}}  # fmt: skip
         async with s.post(f"{self.url}/v1/{endpoint}", **kwargs) as r:
             data = await r.json(content_type=None)
         err = data.get("error") if isinstance(data, dict) else None
-        if r.status == want and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}:
+        if (
+            r.status == want
+            and isinstance(err, dict)
+            and set(err) == {"message", "type", "param", "code"}
+        ):
             self.tally.refused[f"{want}:{err.get('code') or err.get('param') or 'invalid'}"] += 1
         else:
             self.tally.bad(f"bad:{r.status}", f"{body!r} -> {json.dumps(data)}")
@@ -172,7 +186,9 @@ class Client:
             return None
         self.tally.accepted += 1
         choices = data.get("choices") or []
-        if len(choices) != n or any(c.get("finish_reason") not in ("stop", "length") for c in choices):
+        if len(choices) != n or any(
+            c.get("finish_reason") not in ("stop", "length") for c in choices
+        ):
             self.tally.bad("unanswered", json.dumps(data))
             return None
         self.tally.answered += 1
@@ -183,7 +199,7 @@ class Client:
         self, s: aiohttp.ClientSession, rng: random.Random, cancel_after: int | None
     ) -> None:
         chat = rng.random() < 0.5
-        body: dict[str, Any] = {"model": self.model, "max_tokens": rng.randint(8, 64),
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self._tokens(rng, 8, 64),
                                 "temperature": rng.choice([0.0, 0.7]), "stream": True}  # fmt: skip
         if chat:
             body["messages"] = [{"role": "user", "content": _text(rng, rng.randint(4, 30))}]
@@ -244,7 +260,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); log: {self.log.name}")
+                raise RuntimeError(
+                    f"the server exited ({self.proc.returncode}); log: {self.log.name}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -282,7 +300,7 @@ def _free_port() -> int:
 def _metric(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -294,15 +312,24 @@ async def _drive(server: Server, args: argparse.Namespace, tally: Tally) -> dict
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(f"{server.url}/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        client = Client(server.url, model, tally)
+        client = Client(server.url, model, tally, args.max_tokens)
         start = time.monotonic()
         end = start + duration
         rss: dict[str, Any] = {"samples": []}
 
+        warmed: set[int] = set()  # clients done with their heaviest requests
+
         async def worker(i: int) -> None:
             rng = random.Random(f"{args.seed}/{i}")
+            k = 2 * i % len(REST)
+            deck = [*HEAVY, *REST[k:], *REST[:k]]
             while time.monotonic() < end:
-                await client.one(s, rng)
+                if not deck:  # shuffled decks of the weighted mix
+                    deck = [k for k, w in SCENARIOS.items() for _ in range(w)]
+                    rng.shuffle(deck)
+                await client.one(s, rng, deck.pop(0))
+                if len(deck) <= len(REST):
+                    warmed.add(i)
 
         async def sample() -> None:
             while time.monotonic() < end:
@@ -310,8 +337,8 @@ async def _drive(server: Server, args: argparse.Namespace, tally: Tally) -> dict
                 now = time.monotonic() - start
                 sample = server.rss()
                 rss["samples"].append((round(now, 1), *sample))
-                if "start" not in rss and now >= warmup:
-                    rss["start"] = sample
+                if "start" not in rss and now >= warmup and len(warmed) == args.concurrency:
+                    rss["start"], rss["start_s"] = sample, round(now, 1)
 
         await asyncio.gather(*(worker(i) for i in range(args.concurrency)), sample())
         rss["end"] = server.rss()
@@ -328,7 +355,7 @@ async def _drive(server: Server, args: argparse.Namespace, tally: Tally) -> dict
         async with s.get(f"{server.url}/metrics") as r:
             metrics = await r.text()
     return {"rss": rss, "leak": leak, "metrics": metrics, "elapsed_s": time.monotonic() - start,
-            "warmup_s": warmup}  # fmt: skip
+            "warmup_s": rss.get("start_s")}  # fmt: skip
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -340,12 +367,13 @@ def run_soak(args: argparse.Namespace) -> int:
     finally:
         server.close()
     rss = out["rss"]
-    start = rss.get("start") or (rss["samples"][0][1:] if rss["samples"] else rss["end"])
+    # No baseline (every client still busy with its first, heaviest requests): the last sample.
+    start = rss.get("start") or (rss["samples"][-1][1:] if rss["samples"] else rss["end"])
     growth = [(e - s) / s * 100 if s else 0.0 for s, e in zip(start, rss["end"])]
     m = out["metrics"]
     summary = {
         "duration_s": round(out["elapsed_s"], 1),
-        "warmup_s": round(out["warmup_s"], 1),
+        "warmup_s": out["warmup_s"],  # when RSS was first taken; None: no baseline
         "concurrency": args.concurrency,
         "requests": sum(tally.sent.values()),
         "by_scenario": dict(tally.sent),
@@ -357,8 +385,10 @@ def run_soak(args: argparse.Namespace) -> int:
         "accepted": tally.accepted,
         "accepted_not_answered": tally.accepted - tally.answered,
         "leak_check": out["leak"],
-        "rss_mib": {"server": [round(start[0] / 2**20, 1), round(rss["end"][0] / 2**20, 1)],
-                    "engine": [round(start[1] / 2**20, 1), round(rss["end"][1] / 2**20, 1)]},
+        "rss_mib": {
+            "server": [round(start[0] / 2**20, 1), round(rss["end"][0] / 2**20, 1)],
+            "engine": [round(start[1] / 2**20, 1), round(rss["end"][1] / 2**20, 1)],
+        },
         "rss_growth_pct": {"server": round(growth[0], 2), "engine": round(growth[1], 2)},
         "preemptions": _metric(m, "inferd:num_preemptions_total"),
         "spec_drafts": _metric(m, "inferd:spec_decode_num_drafts_total"),
@@ -373,6 +403,7 @@ def run_soak(args: argparse.Namespace) -> int:
         and summary["accepted_not_answered"] == 0
         and bool(out["leak"].get("ok"))
         and max(growth) < RSS_LIMIT * 100
+        and out["warmup_s"] is not None
     )
     print(f"soak: {summary['requests']} requests in {summary['duration_s']} s "
           f"(concurrency {args.concurrency}): {tally.ok} ok, {tally.cancelled} cancelled, "
@@ -403,9 +434,12 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--duration", type=parse_duration, default=parse_duration("20m"),
                    help="how long traffic runs: 45s, 20m, 1h")  # fmt: skip
     p.add_argument("--warmup", type=parse_duration, default=None,
-                   help="RSS is compared from the end of this to the end (default: a quarter of "
-                   "the duration, 10 s to 5 min)")  # fmt: skip
+                   help="RSS is compared from the end of this (and of each client's first, "
+                   "heaviest requests) to the end (default: a quarter of the duration, 10 s to "
+                   "5 min)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap every request's max_tokens (a quicker soak on a busy machine)")  # fmt: skip
     p.add_argument("--model", default=None, help="the model to serve (default: inferd's default)")
     p.add_argument("--kv-cache-memory", default="24MiB",
                    help="small on purpose: long prompts and n > 1 get preempted")  # fmt: skip
@@ -416,4 +450,3 @@ def add_soak_parser(sub) -> None:
                    help="one more argument for `inferd serve` (repeatable)")  # fmt: skip
     p.add_argument("--result-file", default=None, help="write the summary and RSS samples here")
     p.set_defaults(func=run_soak)
-

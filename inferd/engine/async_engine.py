@@ -496,7 +496,7 @@ class AsyncEngine:
                 self.on_stream_overflow(stream)
             if stream.on_overflow is not None:
                 stream.on_overflow()
-        except Exception:  # noqa: BLE001 — a hook must never break the engine's delivery
+        except Exception:  # a hook must never break the engine's delivery
             logger.exception("stream overflow hook failed")
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:

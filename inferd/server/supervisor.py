@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -114,7 +116,7 @@ class EngineSupervisor:
         for task in self._tasks:
             task.cancel()
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001 — a coroutine
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
