@@ -26,8 +26,8 @@ def test_durations_parse() -> None:
 
 
 def test_a_short_soak_loses_nothing() -> None:
-    cmd = [sys.executable, "-m", "inferd.cli", "bench", "soak", "--duration", "45s",
-           "--warmup", "15s", "--concurrency", "4", "--max-tokens", "32"]  # fmt: skip
+    cmd = [sys.executable, "-m", "inferd.cli", "bench", "soak", "--duration", "40s",
+           "--warmup", "5s", "--concurrency", "3", "--max-tokens", "24"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert run.stdout.strip(), run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])

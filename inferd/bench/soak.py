@@ -12,7 +12,10 @@ speculation, debug endpoints on) and runs `--concurrency` clients, each picking 
 and then checks: 0 unexpected errors (a 5xx, a refusal of the wrong kind, a stream that ends
 without its finish), every accepted request answered or cancelled, 0 leaked KV blocks
 (POST /debug/check_no_leaks once idle), and RSS of the server and of the engine process grown by
-less than 5 % between the end of the warm-up and the end. It prints a summary, then one JSON line.
+less than 5 % between the end of the warm-up and the end. The warm-up is work, then time: each
+client first sends one request of each kind (the heaviest first: they make the engine's largest
+allocations, and the first grammar starts its compiler threads), then `--warmup` s of traffic.
+It prints a summary, then one JSON line; it exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -306,6 +309,8 @@ def _metric(text: str, name: str) -> float:
 
 
 async def _drive(server: Server, args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
+    """Warm-up (every client sends one request of each kind, heaviest first, then traffic for
+    `--warmup` s), the RSS baseline, traffic until `--duration` s from the start, the checks."""
     duration, warmup = args.duration, args.warmup if args.warmup is not None else min(
         max(args.duration * 0.25, 10.0), 300.0)  # fmt: skip
     timeout = aiohttp.ClientTimeout(total=300)
@@ -314,33 +319,33 @@ async def _drive(server: Server, args: argparse.Namespace, tally: Tally) -> dict
             model = (await r.json())["data"][0]["id"]
         client = Client(server.url, model, tally, args.max_tokens)
         start = time.monotonic()
-        end = start + duration
         rss: dict[str, Any] = {"samples": []}
+        rngs = [random.Random(f"{args.seed}/{i}") for i in range(args.concurrency)]
 
-        warmed: set[int] = set()  # clients done with their heaviest requests
-
-        async def worker(i: int) -> None:
-            rng = random.Random(f"{args.seed}/{i}")
+        async def first(i: int) -> None:
             k = 2 * i % len(REST)
-            deck = [*HEAVY, *REST[k:], *REST[:k]]
-            while time.monotonic() < end:
+            for kind in [*HEAVY, *REST[k:], *REST[:k]]:
+                await client.one(s, rngs[i], kind)
+
+        async def traffic(i: int, until: float) -> None:
+            rng, deck = rngs[i], []
+            while time.monotonic() < until:
                 if not deck:  # shuffled decks of the weighted mix
                     deck = [k for k, w in SCENARIOS.items() for _ in range(w)]
                     rng.shuffle(deck)
-                await client.one(s, rng, deck.pop(0))
-                if len(deck) <= len(REST):
-                    warmed.add(i)
+                await client.one(s, rng, deck.pop())
 
-        async def sample() -> None:
-            while time.monotonic() < end:
-                await asyncio.sleep(min(5.0, duration / 20))
-                now = time.monotonic() - start
-                sample = server.rss()
-                rss["samples"].append((round(now, 1), *sample))
-                if "start" not in rss and now >= warmup and len(warmed) == args.concurrency:
-                    rss["start"], rss["start_s"] = sample, round(now, 1)
+        async def sample(until: float) -> None:
+            while time.monotonic() < until:
+                await asyncio.sleep(min(5.0, max(duration / 20, 0.5)))
+                rss["samples"].append((round(time.monotonic() - start, 1), *server.rss()))
 
-        await asyncio.gather(*(worker(i) for i in range(args.concurrency)), sample())
+        await asyncio.gather(*(first(i) for i in range(args.concurrency)))
+        warm_until = time.monotonic() + warmup
+        await asyncio.gather(*(traffic(i, warm_until) for i in range(args.concurrency)))
+        rss["start"], rss["start_s"] = server.rss(), round(time.monotonic() - start, 1)
+        end = max(start + duration, time.monotonic() + 1.0)
+        await asyncio.gather(*(traffic(i, end) for i in range(args.concurrency)), sample(end))
         rss["end"] = server.rss()
         # Idle: nothing running or waiting, then the leak check (the engine says busy until then).
         leak: dict[str, Any] = {"ok": False, "error": "the engine never became idle"}
@@ -367,13 +372,12 @@ def run_soak(args: argparse.Namespace) -> int:
     finally:
         server.close()
     rss = out["rss"]
-    # No baseline (every client still busy with its first, heaviest requests): the last sample.
-    start = rss.get("start") or (rss["samples"][-1][1:] if rss["samples"] else rss["end"])
+    start = rss["start"]
     growth = [(e - s) / s * 100 if s else 0.0 for s, e in zip(start, rss["end"])]
     m = out["metrics"]
     summary = {
         "duration_s": round(out["elapsed_s"], 1),
-        "warmup_s": out["warmup_s"],  # when RSS was first taken; None: no baseline
+        "warmup_s": out["warmup_s"],  # when the RSS baseline was taken
         "concurrency": args.concurrency,
         "requests": sum(tally.sent.values()),
         "by_scenario": dict(tally.sent),
@@ -403,7 +407,6 @@ def run_soak(args: argparse.Namespace) -> int:
         and summary["accepted_not_answered"] == 0
         and bool(out["leak"].get("ok"))
         and max(growth) < RSS_LIMIT * 100
-        and out["warmup_s"] is not None
     )
     print(f"soak: {summary['requests']} requests in {summary['duration_s']} s "
           f"(concurrency {args.concurrency}): {tally.ok} ok, {tally.cancelled} cancelled, "
@@ -434,9 +437,8 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--duration", type=parse_duration, default=parse_duration("20m"),
                    help="how long traffic runs: 45s, 20m, 1h")  # fmt: skip
     p.add_argument("--warmup", type=parse_duration, default=None,
-                   help="RSS is compared from the end of this (and of each client's first, "
-                   "heaviest requests) to the end (default: a quarter of the duration, 10 s to "
-                   "5 min)")  # fmt: skip
+                   help="traffic after each client's first requests (one of each kind) before "
+                   "the RSS baseline is taken (default: a quarter of the duration, 10 s to 5 min)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=None,
                    help="cap every request's max_tokens (a quicker soak on a busy machine)")  # fmt: skip
