@@ -49,9 +49,15 @@ def http(server: RemoteServer) -> Iterator[httpx.Client]:
 
 
 def engine_process(server: RemoteServer) -> psutil.Process:
-    children = [c for c in psutil.Process(server.proc.pid).children()
-                if "spawn_main" in " ".join(c.cmdline())]  # fmt: skip
-    assert len(children) == 1, [c.cmdline() for c in children]
+    """The live engine process (a killed one may linger a moment as a zombie)."""
+    children = []
+    for c in psutil.Process(server.proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                children.append(c)
+        except psutil.Error:  # gone, or a zombie, meanwhile
+            pass
+    assert len(children) == 1, children
     return children[0]
 
 
@@ -107,14 +113,16 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_freed(
     server: RemoteServer, http: httpx.Client
 ) -> None:
     before = counter(http, "request_success_total", finished_reason="abort")
-    body = json.dumps({**LONG, "stream": True, "logprobs": 5}).encode()
+    # n and logprobs: many bytes per step, so the socket's buffers fill within a few dozen steps.
+    body = {**LONG, "max_tokens": 1000, "n": 4, "logprobs": 5, "stream": True}
+    body = json.dumps(body).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stops at once
     sock.connect(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     try:
-        wait_until(lambda: counter(http, "stream_overflows_total") == 1, 120, "the overflow")
+        wait_until(lambda: counter(http, "stream_overflows_total") == 1, 240, "the overflow")
         wait_until(lambda: counter(http, "request_success_total", finished_reason="abort")
                    == before + 1, 30, "the abort")  # fmt: skip
         # The server hung up: reading what is left ends (reset, or EOF), and never in [DONE].

@@ -366,7 +366,7 @@ class AsyncEngine:
         """Start a fresh engine after the last one stopped (the supervisor's call, on the event
         loop). Its requests have already failed (`_on_exit`); `ready` turns true once it loaded."""
         assert self._loop is not None and self._exited is not None, "the engine is running"
-        self._backend.stop(0)  # ends the old one's writer thread
+        self._backend.stop(1.0)  # ends the old one's writer thread and reaps its process
         self._backend = self._make_backend()
         self.info = self.load_error = None
         self._exited = None
