@@ -256,8 +256,13 @@ class RequestStream:
         """Fail the request with `error()` (see `fail`) unless it ends within `seconds`."""
         self._disarm()
         self._deadline = asyncio.get_running_loop().call_later(
-            max(seconds, 0.0), lambda: self.fail(error()) if not (self.finished or self._ended) else None
+            max(seconds, 0.0), self._expire, error
         )
+
+    def _expire(self, error: Callable[[], Exception]) -> None:
+        self._deadline = None
+        if not (self.finished or self._ended):
+            self.fail(error())
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -320,7 +325,9 @@ class AsyncEngine:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if max_stream_buffer_tokens is not None and max_stream_buffer_tokens < 1:
-            raise ValueError(f"max_stream_buffer_tokens must be >= 1, got {max_stream_buffer_tokens}")
+            raise ValueError(
+                f"max_stream_buffer_tokens must be >= 1, got {max_stream_buffer_tokens}"
+            )
         self.max_queue_len = max_queue_len
         self.max_stream_buffer_tokens = max_stream_buffer_tokens
         self.observer = observer

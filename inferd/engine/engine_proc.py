@@ -240,10 +240,6 @@ class ProcessBackend:
         other._outbox = queue.SimpleQueue()
         return other
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
     def send(self, command: Command) -> None:
         self._outbox.put(command)
 
