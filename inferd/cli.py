@@ -218,7 +218,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("name", cfg.name or "-"),
         ("architecture", cfg.architecture),
         ("weights", loaded.file_type),
-        ("parameters", f"{cfg.num_parameters():,} ({cfg.num_parameters() / 1e6:.1f} M)"),
+        ("parameters", f"{cfg.num_parameters():,} ({cfg.num_parameters() / 1e6:.1f} M)"
+                       + (f", {cfg.num_active_parameters() / 1e6:.1f} M active per token" if cfg.num_experts else "")),
         ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
         ("heads (q / kv) × dim", f"{cfg.num_heads} / {cfg.num_kv_heads} × {cfg.head_dim}"),
         ("attention", spec.summary()),

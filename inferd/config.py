@@ -68,6 +68,17 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
     attn_logit_softcapping: float | None = None  # Gemma 2
     final_logit_softcapping: float | None = None  # Gemma 2
+    # Mixture of experts (0 experts: every layer's MLP is dense). Each MoE layer routes a token to
+    # `num_experts_per_tok` of `num_experts` experts of `moe_intermediate_size`, their outputs
+    # weighted by the router's softmax (renormalised over the chosen ones where `norm_topk_prob`);
+    # Qwen2-MoE adds a shared expert behind a sigmoid gate.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    # Per layer whether its MLP is the MoE one; None: every layer's is (where num_experts > 0).
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -87,6 +98,19 @@ class ModelConfig:
                 raise ValueError(f"unsupported layer types {odd} (supported: {', '.join(LAYER_TYPES)})")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                 f"got {self.num_experts_per_tok}")  # fmt: skip
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+            if self.moe_layers is not None and len(self.moe_layers) != self.num_layers:
+                raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.num_experts:
+            return False
+        return self.moe_layers is None or self.moe_layers[layer]
 
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's attention kind, resolved (`layer_types` or its default)."""
@@ -96,14 +120,22 @@ class ModelConfig:
         return (kind,) * self.num_layers
 
     def num_parameters(self) -> int:
+        return self._parameters(experts=self.num_experts)
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward pass reads: its routed experts only."""
+        return self._parameters(experts=self.num_experts_per_tok)
+
+    def _parameters(self, experts: int) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        if self.attention_bias:
-            per_layer += q + 2 * kv
+        attn = h * (q + 2 * kv) + q * h + 2 * h + (q + 2 * kv if self.attention_bias else 0)
+        moe = (3 * h * self.moe_intermediate_size * experts + h * self.num_experts
+               + (3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0))  # fmt: skip
+        layers = sum(attn + (moe if self.is_moe_layer(n) else 3 * h * i) for n in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + layers + h + head
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -162,7 +162,7 @@ def test_cache_dirs_reach_the_code_through_envs(monkeypatch, tmp_path) -> None:
 def test_api_key_is_the_default_of_the_flag(monkeypatch) -> None:
     monkeypatch.setenv("INFERD_API_KEY", "k-123")
     assert build_parser().parse_args(["serve"]).api_key == "k-123"
-    assert build_parser().parse_args(["serve", "--api-key", "other"]).api_key == "other"
+    assert build_parser().parse_args(["serve", "--api-key", "other"]).api_key == ["other"]
     monkeypatch.delenv("INFERD_API_KEY")
     assert build_parser().parse_args(["serve"]).api_key is None
 

@@ -15,6 +15,7 @@ import torch
 from tiny_families import FAMILIES, TinyFamilyModel, hf_greedy, write_family
 
 from inferd import LLM, SamplingParams
+from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.layers.rotary import rope_parameters
 from inferd.loader import ModelLoadError, load_model
 from inferd.models import decoder, model_spec
@@ -124,7 +125,7 @@ def test_speculative_verification_keeps_transformers_tokens(families, references
     llm.engine.check_no_leaks()
 
 
-@pytest.mark.skipif(decoder.cpu_kernels() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])
 def test_fused_decode_gives_the_python_layers_bits(families, family, monkeypatch):
     """csrc/decoder_layers.h run by the spec (qk-norm, sandwich norms, GELU-tanh, two RoPE

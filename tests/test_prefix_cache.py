@@ -23,6 +23,25 @@ def _seq_blocks(kv: KVCacheManager, seq_id: int, tokens: list[int]) -> list[int]
     return kv.block_tables[seq_id]
 
 
+def test_salted_prefixes_are_kept_apart():
+    """A cache salt (a tenant's) leads the first block's key: blocks are shared only under the
+    same salt, and each salt's prefix is stored once."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = list(range(10))
+    for seq_id, salt in ((1, None), (2, "t1")):
+        assert kv.attach_cached_prefix(seq_id, a, salt) == 0
+        assert kv.allocate_slots(seq_id, 0, len(a))
+        kv.cache_computed_blocks(seq_id, a, len(a), salt)
+    assert kv.prefix_cache.num_nodes == 4  # two full blocks under each salt
+    assert kv.cached_prefix_len(a, "t2") == 0
+    assert kv.attach_cached_prefix(3, a, "t1") == 8
+    assert kv.block_tables[3] == kv.block_tables[2][:2] != kv.block_tables[1][:2]
+    for seq_id in (1, 2, 3):
+        kv.free(seq_id)
+    kv.check_integrity()
+    assert kv.reset_prefix_cache() and kv.pool.num_free == 16
+
+
 def test_longest_prefix_reuse_exact_blocks():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     a = list(range(10))  # blocks [0..3] [4..7] + partial [8, 9]

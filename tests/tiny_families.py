@@ -129,6 +129,26 @@ FAMILIES = {
 }
 
 
+_MOE = {**_BASE, "num_experts_per_tok": 2}
+# Mixtures of experts: 8 experts of 64 (Qwen's `moe_intermediate_size`), top 2.
+MOE_FAMILIES = {
+    "mixtral": Family("mixtral", "MixtralForCausalLM", "MixtralConfig",
+                      {**_MOE, "head_dim": 16, "num_local_experts": 8, "intermediate_size": 64},
+                      gguf_arch="llama"),
+    # A shared expert; layer 1 dense (mlp_only_layers).
+    "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                        {**_MOE, "num_experts": 8, "moe_intermediate_size": 64,
+                         "shared_expert_intermediate_size": 96, "mlp_only_layers": [1]},
+                        gguf_arch="qwen2moe"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        {**_MOE, "head_dim": 32, "num_experts": 8, "moe_intermediate_size": 64,
+                         "norm_topk_prob": True},
+                        gguf_arch="qwen3moe"),
+    "olmoe": Family("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
+                    {**_MOE, "num_experts": 8, "intermediate_size": 64}),
+}  # fmt: skip
+
+
 @dataclass
 class TinyFamilyModel:
     family: Family
@@ -153,7 +173,7 @@ def _randomize(model: torch.nn.Module, family: Family, seed: int) -> None:
             elif "embed_tokens" in name or "lm_head" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)  # fan-in
 
 
 def build_hf(family: Family, directory: Path, seed: int = 0) -> tuple[torch.nn.Module, int]:
@@ -200,6 +220,29 @@ _GEMMA_LAYER = {
 }
 
 
+_MOE_TENSORS = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
+def _moe_tensors(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A mixture's tensors (transformers' in-memory names, experts stacked) as llama.cpp's
+    converter writes them; None for any other tensor."""
+    _, _, layer, rest = name.split(".", 3)
+    if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H] → gate and up stacks [E, I, H]
+        gate, up = np.split(arr, 2, axis=1)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    if rest == "mlp.experts.down_proj":
+        return [(f"blk.{layer}.ffn_down_exps.weight", arr)]
+    if rest in _MOE_TENSORS:
+        return [(f"blk.{layer}.{_MOE_TENSORS[rest]}", arr.reshape(-1) if "shared_expert_gate" in rest else arr)]
+    return None
+
+
 def gguf_tensor_name(hf_name: str, arch: str) -> str:
     glob = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -243,6 +286,16 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
             w.add_value_length(family.head_dim)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        if getattr(cfg, "mlp_only_layers", None):
+            raise ValueError("llama.cpp's MoE architectures have a mixture in every layer")
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if family.arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
@@ -270,7 +323,9 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
             arr = llama_cpp_permute(arr, heads)
         if family.arch.startswith("gemma") and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)  # convert_hf_to_gguf.py's norm_shift
-        w.add_tensor(gguf_tensor_name(name, family.arch), arr)
+        moe = _moe_tensors(name, arr) if experts and name.startswith("model.layers.") else None
+        for gguf_name, part in moe or [(gguf_tensor_name(name, family.arch), arr)]:
+            w.add_tensor(gguf_name, np.ascontiguousarray(part))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -278,7 +333,7 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
 
 
 def write_family(name: str, root: Path, seed: int = 0) -> TinyFamilyModel:
-    family = FAMILIES[name]
+    family = FAMILIES.get(name) or MOE_FAMILIES[name]
     hf_dir = root / f"{name}-hf"
     model, vocab = build_hf(family, hf_dir, seed)
     path = root / f"{name}.gguf"

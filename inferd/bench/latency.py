@@ -98,21 +98,45 @@ def engine_costs(engine, cost: StepCost, llama_gguf: Path | None) -> dict[str, S
     costs = {"inferd": cost, "hf": hf}
     if llama_gguf is not None:
         kv_f16 = cfg.kv_bytes_per_token(torch.float16)
-        costs["llama.cpp"] = replace(
-            cost, weight_bytes=gguf_step_bytes(llama_gguf), kv_bytes_per_token=kv_f16
-        )
+        dense, experts = gguf_step_bytes(llama_gguf)
+        costs["llama.cpp"] = replace(cost, weight_bytes=dense, expert_bytes=experts, kv_bytes_per_token=kv_f16)
     return costs
 
 
-def gguf_step_bytes(path: Path) -> int:
+def gguf_step_bytes(path: Path) -> tuple[int, int]:
     """Bytes of a GGUF file's tensors one forward pass reads: all of them but an untied token
-    embedding, of which a step only looks up rows."""
+    embedding, of which a step only looks up rows; a mixture's stacked experts apart (dense,
+    experts)."""
     from gguf import GGUFReader
 
     sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
     if "output.weight" in sizes:
         sizes.pop("token_embd.weight", None)
-    return sum(sizes.values())
+    experts = sum(n for name, n in sizes.items() if "_exps." in name)
+    return sum(sizes.values()) - experts, experts
+
+
+def expert_load(model) -> dict | None:
+    """Tokens routed to each expert of each mixture layer since the counters were last taken (the
+    routing skew), with a one-line summary; None for a dense model."""
+    from inferd.layers.moe import SparseMoE
+
+    layers = {i: layer.mlp.take_expert_counts() for i, layer in enumerate(model.layers)
+              if isinstance(layer.mlp, SparseMoE)}  # fmt: skip
+    if not layers:
+        return None
+    counts = torch.stack(list(layers.values())).double()
+    share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+    uniform = 1 / counts.shape[1]
+    return {
+        "per_layer": {str(i): c.tolist() for i, c in layers.items()},
+        "max_share": round(float(share.max()), 4),
+        "min_share": round(float(share.min()), 4),
+        "uniform_share": round(uniform, 4),
+        "summary": (f"expert load over {len(layers)} MoE layers: busiest expert {100 * float(share.max()):.1f} % "
+                    f"of a layer's routed tokens, idlest {100 * float(share.min()):.1f} % "
+                    f"(uniform {100 * uniform:.1f} %)"),
+    }  # fmt: skip
 
 
 def _print_table(report: dict) -> None:
@@ -159,12 +183,12 @@ def run_latency(args: argparse.Namespace) -> dict:
     cost = engine_step_cost(engine)
     # The matrix-vector ceiling over as many bytes as a step's weights: where they live (a cache
     # or DRAM) sets how fast they can stream.
-    matvec_n = matvec_n_for(cost.weight_bytes, engine.dtype)
+    matvec_n = matvec_n_for(cost.weight_bytes_read(b), engine.dtype)
     roof = measure_roofline(engine.dtype, matvec_n=matvec_n, budget_s=1.5)
     print(f"torch threads {torch.get_num_threads()}; batch {b}, {n_in} prompt tokens, {n_out} "
           f"new tokens, median of {args.runs} runs; ceilings: matrix-vector "
           f"{roof.matvec_gbps:.1f} GB/s, {roof.describe_peak()}; "
-          f"{cost.weight_bytes / 1e6:.1f} MB of weights per step", file=sys.stderr)  # fmt: skip
+          f"{cost.weight_bytes_read(b) / 1e6:.1f} MB of weights per step", file=sys.stderr)  # fmt: skip
     runs: dict[str, list[Timed]] = {"inferd": []}
     peers.inferd_generate_timed(engine, prompts[:1], 4)  # warm-up (kernels built, pages touched)
     notes: list[str] = []
@@ -191,6 +215,7 @@ def run_latency(args: argparse.Namespace) -> dict:
             )
     for note in notes:
         print(note, file=sys.stderr)
+    expert_load(engine.runner.model)  # (counted from here: the timed runs only)
     # Engines interleave run by run: load from other jobs on the machine hits all of them alike.
     for i in range(args.runs):
         runs["inferd"].append(
@@ -221,13 +246,16 @@ def run_latency(args: argparse.Namespace) -> dict:
         "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
         **cpu_kernels_report(), "roofline": roof.as_dict(),
-        "weight_mb_per_step": round(cost.weight_bytes / 1e6, 1),
+        "weight_mb_per_step": round(cost.weight_bytes_read(b) / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
         "notes": notes,
         "engines": {k: summarize(v, costs[k], roof, b, n_in) for k, v in runs.items()},
     }  # fmt: skip
     base = report["engines"]["inferd"]["decode_tps"]
     report["inferd_pct_of_bandwidth_limit"] = round(100 * base / limits["bandwidth_limit_tps"], 1)
+    load = expert_load(engine.runner.model)
+    if load is not None:
+        report["expert_load"] = load
     report["ratio_inferd_vs"] = {
         k: round(base / r["decode_tps"], 2) for k, r in report["engines"].items() if k != "inferd"
     }
@@ -237,6 +265,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     ratios = ", ".join(f"{k} {v}×" for k, v in report["ratio_inferd_vs"].items()) or "no peer"
     print(f"bandwidth limit at batch {b}: {limits['bandwidth_limit_tps']} tok/s (inferd at "
           f"{report['inferd_pct_of_bandwidth_limit']}%); inferd decode vs {ratios}")  # fmt: skip
+    if load is not None:
+        print(load["summary"])
     print(json.dumps(report))
     return report
 

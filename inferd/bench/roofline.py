@@ -286,17 +286,31 @@ class StepCost:
     attn_flops_per_context_token: 4 · layers · heads · head_dim: QKᵀ and PV of one query row
         against one cached key.
     kv_bytes_per_token: K and V of one cached token, all layers (read by each decode step).
+    expert_bytes: a mixture's routed experts, all layers (not in weight_bytes): a step reads
+        the experts its tokens chose, `top_k` of `num_experts` per token per layer. At batch B
+        that is, routing uniformly, a 1 - (1 - k/E)^B share of them (exactly k/E at batch 1);
+        linear_flops_per_token counts a token's k experts.
     """
 
     weight_bytes: int
     linear_flops_per_token: int
     attn_flops_per_context_token: int
     kv_bytes_per_token: int
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def weight_bytes_read(self, batch: int) -> int:
+        """Weight bytes a step of `batch` rows reads (the experts they route to, in expectation)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        share = 1 - (1 - self.top_k / self.num_experts) ** batch
+        return self.weight_bytes + round(self.expert_bytes * share)
 
     def decode_step(self, context_lens: list[int]) -> tuple[int, int]:
         """(bytes read, FLOPs) of one decode step of sequences with these context lengths."""
         ctx = sum(context_lens)
-        bytes_read = self.weight_bytes + ctx * self.kv_bytes_per_token
+        bytes_read = self.weight_bytes_read(len(context_lens)) + ctx * self.kv_bytes_per_token
         flops = (
             len(context_lens) * self.linear_flops_per_token
             + ctx * self.attn_flops_per_context_token
@@ -315,10 +329,15 @@ def step_cost(
     """The model's `StepCost` with its weights as stored, or at `bytes_per_weight` for every
     matmul weight (what a peer that holds the same model in another precision reads per step)."""
     from inferd.layers.linear import Linear
+    from inferd.layers.moe import SparseMoE
     from inferd.layers.norm import RMSNorm
     from inferd.layers.quantized_linear import QuantizedLinear
 
     cfg = model.config
+    # A mixture's routed experts: counted apart (a step reads only those its tokens chose).
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE)
+               for m in moe.experts.modules()}  # fmt: skip
+    expert_bytes = expert_flops = 0
     weight_bytes = 0
     linear_flops = 0
     seen: set[int] = set()
@@ -334,16 +353,23 @@ def step_cost(
             continue
         else:
             continue
-        linear_flops += 2 * out_f * in_f
         if bytes_per_weight is not None:
             nbytes = round(out_f * in_f * bytes_per_weight)
+        if m.bias is not None:
+            nbytes += m.bias.numel() * m.bias.element_size()
+        if id(m) in experts:
+            expert_flops += 2 * out_f * in_f
+            expert_bytes += nbytes
+            continue
+        linear_flops += 2 * out_f * in_f
         if key not in seen:  # the same matrix in two modules is still one read per step
             seen.add(key)
             weight_bytes += nbytes
-        if m.bias is not None:
-            weight_bytes += m.bias.numel() * m.bias.element_size()
     attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-    return StepCost(weight_bytes, linear_flops, attn, kv_bytes_per_token)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if e:
+        linear_flops += expert_flops * k // e
+    return StepCost(weight_bytes, linear_flops, attn, kv_bytes_per_token, expert_bytes, e, k)
 
 
 def engine_step_cost(engine) -> StepCost:

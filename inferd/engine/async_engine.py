@@ -255,8 +255,9 @@ class RequestStream:
     def set_deadline(self, seconds: float, error: Callable[[], Exception]) -> None:
         """Fail the request with `error()` (see `fail`) unless it ends within `seconds`."""
         self._disarm()
+        # Clamped: an event loop's timer takes no infinity (uvloop counts in integer ms).
         self._deadline = asyncio.get_running_loop().call_later(
-            max(seconds, 0.0), self._expire, error
+            min(max(seconds, 0.0), _MAX_DELAY_S), self._expire, error
         )
 
     def _expire(self, error: Callable[[], Exception]) -> None:
@@ -290,6 +291,9 @@ class RequestStream:
         self._updates.append(RequestUpdate([], time.monotonic(), error=error))
         self._ended = True
         self._wake()
+
+
+_MAX_DELAY_S = 1e9  # ~31 years
 
 
 def _num_tokens(update: RequestUpdate) -> int:

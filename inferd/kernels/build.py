@@ -119,10 +119,11 @@ def build_dir(name: str, source: str, cflags: list[str] = CFLAGS) -> Path:
     path = CSRC / source
     key = f"{path}\0{' '.join(cflags)}\0{cpu_flags()}\0".encode() + _source_text(path)
     digest = hashlib.sha256(key).hexdigest()[:12]
-    base = Path(envs.INFERD_KERNEL_CACHE_DIR)
-    folder = base / f"{name}-{digest}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    from inferd.private_dir import private_dir
+
+    # Native code the process loads: the folders are 0700 and refused if others may write them.
+    base = private_dir(envs.INFERD_KERNEL_CACHE_DIR)
+    return private_dir(base / f"{name}-{digest}-torch{tag}-py{sys.version_info[0]}{sys.version_info[1]}")
 
 
 def _say(message: str) -> None:

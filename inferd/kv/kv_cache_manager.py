@@ -35,14 +35,16 @@ class KVCacheManager:
         self.pending_slot_copies: list[tuple[int, int]] = []  # (src slot, dst slot)
         self.scratch: dict[int, list[int]] = {}  # seq_id -> this step's draft-tree leaf blocks
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes)."""
-        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, touch=False)) * self.block_size
+    def cached_prefix_len(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Tokens of `token_ids` the prefix cache could serve now (a peek: nothing changes).
+        `salt`: the sequence's cache salt (only blocks cached under it match)."""
+        blocks = self.prefix_cache.match(token_ids, len(token_ids) - 1, touch=False, salt=salt)
+        return len(blocks) * self.block_size
 
-    def attach_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def attach_cached_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Start a sequence's table with the longest cached prefix; returns the tokens reused.
         At least one token is left to compute: the step needs its logits."""
-        blocks = self.prefix_cache.match(token_ids, len(token_ids) - 1)
+        blocks = self.prefix_cache.match(token_ids, len(token_ids) - 1, salt=salt)
         self.pool.incref(blocks)
         self.block_tables[seq_id] = list(blocks)
         self._num_cached_blocks[seq_id] = len(blocks)
@@ -89,12 +91,14 @@ class KVCacheManager:
         if blocks:
             self.pool.decref(blocks)
 
-    def cache_computed_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        """Offer the sequence's newly completed full blocks to the prefix cache."""
+    def cache_computed_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_computed: int, salt: str | None = None
+    ) -> None:
+        """Offer the sequence's newly completed full blocks to the prefix cache (under `salt`)."""
         full = num_computed // self.block_size
         start = self._num_cached_blocks.get(seq_id, 0)
         if full > start and self.prefix_cache.enabled:
-            self.prefix_cache.insert(token_ids, self.block_tables[seq_id], start, full)
+            self.prefix_cache.insert(token_ids, self.block_tables[seq_id], start, full, salt)
             self._num_cached_blocks[seq_id] = full
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:

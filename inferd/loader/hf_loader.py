@@ -26,7 +26,12 @@ SUPPORTED_HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+_QWEN = ("qwen2", "qwen3", "qwen2_moe")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -86,9 +91,9 @@ def _sliding(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None,
     rule (Gemma 2 every other layer from the first, Gemma 3 all but every `sliding_window_pattern`th,
     Qwen from `max_window_layers` on when `use_sliding_window`, every layer elsewhere)."""
     window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
         window = None
-    if arch == "llama":
+    if arch in ("llama", "olmoe"):
         window = None  # Llama's attention has no window (a stray key in a config is ignored by HF too)
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention is not supported (inferd's attention is causal)")
@@ -103,10 +108,42 @@ def _sliding(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None,
     if arch == "gemma3":
         period = int(cfg.get("sliding_window_pattern", 6))
         return window, tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers))
-    if arch in ("qwen2", "qwen3"):
+    if arch in _QWEN:
         first = int(cfg.get("max_window_layers", n_layers))
         return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
     return window, None
+
+
+# Routing variants of other mixtures (DeepSeek's grouped or sigmoid routing, ...) by the config
+# field that selects them and the values inferd computes.
+_ROUTING_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (1,),
+                   "topk_group": (1,), "routed_scaling_factor": (1.0,)}  # fmt: skip
+
+
+def _moe(cfg: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
+    """The mixture fields of `ModelConfig` (none for a dense model); a routing variant inferd
+    does not compute is an error naming it."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts:
+        return {}
+    for name, known in _ROUTING_FIELDS.items():
+        if cfg.get(name) is not None and cfg[name] not in known:
+            raise ValueError(f"MoE routing {name}={cfg[name]!r} is not supported (supported: {known[0]!r})")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError("clip_qkv (clamped q/k/v projections) is not supported")
+    sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    moe_layers = tuple(i not in dense and (i + 1) % sparse_step == 0 for i in range(n_layers))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        # Mixtral always renormalises the chosen experts' weights; the others say so.
+        "norm_topk_prob": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch == "qwen2_moe" else 0,
+        "moe_layers": None if all(moe_layers) else moe_layers,
+    }
 
 
 def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
@@ -141,7 +178,8 @@ def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelCon
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=(arch == "qwen2" or (arch == "qwen2_moe" and cfg.get("qkv_bias", True))
+                        or bool(cfg.get("attention_bias", False))),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=cfg.get("_name_or_path", ""),
@@ -152,6 +190,7 @@ def hf_model_config(cfg: dict[str, Any], generation: dict[str, Any]) -> ModelCon
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+        **_moe(cfg, arch, n_layers),
     )
 
 

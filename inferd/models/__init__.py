@@ -10,9 +10,13 @@ from inferd.models.decoder import DecoderForCausalLM
 from inferd.models.gemma2 import Gemma2ForCausalLM
 from inferd.models.gemma3 import Gemma3ForCausalLM
 from inferd.models.llama import LlamaForCausalLM
+from inferd.models.mixtral import MixtralForCausalLM
+from inferd.models.olmoe import OlmoeForCausalLM
 from inferd.models.phi3 import Phi3ForCausalLM
 from inferd.models.qwen2 import Qwen2ForCausalLM
+from inferd.models.qwen2_moe import Qwen2MoeForCausalLM
 from inferd.models.qwen3 import Qwen3ForCausalLM
+from inferd.models.qwen3_moe import Qwen3MoeForCausalLM
 from inferd.models.spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
@@ -23,6 +27,10 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
 }
 
 

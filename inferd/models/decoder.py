@@ -19,11 +19,9 @@ extension), the spec passed along: the same kernels in the same order, so the sa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferd.config import ModelConfig
@@ -36,6 +34,8 @@ from inferd.layers.attention import (
     select_attention_backend,
 )
 from inferd.layers.linear import Embedding, Linear
+from inferd.layers.mlp import MLP, select_act_mul
+from inferd.layers.moe import SparseMoE
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
@@ -74,8 +74,11 @@ class Attention(nn.Module):
         self.kv_size = self.n_kv * self.head_dim
         # q, k and v in one matmul: one pass over the input instead of three.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        # qk-norm over each head, or (OLMoE) over the whole q and k projections
+        self.qk_norm_all = spec.qk_norm and spec.qk_norm_span == "all"
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_all else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if spec.qk_norm else None
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = spec.attn_scale
         self.window = spec.sliding_window
@@ -94,9 +97,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        cos, sin = ropes[self.rope_index]
+        if self.qk_norm_all:
+            q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
+            q = self.rotate(self.q_norm.forward(q).view(t, self.n_heads, self.head_dim), cos, sin)
+            k = self.rotate(self.k_norm.forward(k).view(t, self.n_kv, self.head_dim), cos, sin)
+            return self._attend(q, k, v, kv_cache, meta)
         qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
         qk = qk.view(t, self.n_heads + self.n_kv, self.head_dim)
-        cos, sin = ropes[self.rope_index]
         if self.q_norm is None:
             # q and k heads rotate together: one set of elementwise ops instead of two.
             q, k = self.rotate(qk, cos, sin).split_with_sizes([self.n_heads, self.n_kv], 1)
@@ -104,50 +112,14 @@ class Attention(nn.Module):
             q, k = qk.split_with_sizes([self.n_heads, self.n_kv], 1)
             q = self.rotate(self.q_norm.forward(q), cos, sin)
             k = self.rotate(self.k_norm.forward(k), cos, sin)
+        return self._attend(q, k, v, kv_cache, meta)
+
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
         v = v.view(t, self.n_kv, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
                                  self.softcap)  # fmt: skip
         return self.o_proj.forward(o.reshape(t, self.q_size))
-
-
-ActMul = Callable[[torch.Tensor], torch.Tensor]
-
-
-def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate/up side by side [T, 2I] → [T, I], in PyTorch ops."""
-    gate, up = gu.split_with_sizes([gu.shape[-1] // 2] * 2, -1)
-    return F.silu(gate).mul_(up)  # silu's output is fresh: in place
-
-
-def gelu_tanh_mul_torch(gu: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up, as `silu_mul_torch`."""
-    gate, up = gu.split_with_sizes([gu.shape[-1] // 2] * 2, -1)
-    return F.gelu(gate, approximate="tanh").mul_(up)
-
-
-def select_act_mul(activation: str, device: torch.device, dtype: torch.dtype) -> ActMul:
-    """The activation-mul op of a model of `dtype` on `device`: for fp32 on the CPU with the C++
-    kernels one loop (csrc/layer_ops.h), as the fused decode step runs it."""
-    ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
-    if activation == "silu":
-        return ext.silu_mul if ext is not None else silu_mul_torch
-    return ext.gelu_tanh_mul if ext is not None else gelu_tanh_mul_torch
-
-
-def select_silu_mul(device: torch.device, dtype: torch.dtype) -> ActMul:
-    return select_act_mul("silu", device, dtype)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
-        self.act_mul: ActMul | None = None  # select_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -162,7 +134,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, spec, rope_index)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg.hidden_size, spec.moe)
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
 
     def forward(self, x, ropes, kv_cache, meta) -> torch.Tensor:
@@ -189,6 +161,10 @@ class DecoderForCausalLM(nn.Module):
     }
     FUSED_QKV: ClassVar[bool] = False  # the checkpoint holds self_attn.qkv_proj (Phi-3)
     FUSED_GATE_UP: ClassVar[bool] = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
+    # A mixture's checkpoint names under model.layers.{i}.: its module, and each expert's gate,
+    # up and down projections (under {MOE_MODULE}.experts.{e}.).
+    MOE_MODULE: ClassVar[str] = "mlp"
+    EXPERT_NAMES: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
 
     @classmethod
     def spec_for(cls, cfg: ModelConfig) -> ModelSpec:
@@ -247,7 +223,10 @@ class DecoderForCausalLM(nn.Module):
         for layer, spec in zip(self.layers, self.spec.layers):
             layer.self_attn.backend = backend
             layer.self_attn.rotate = rotate
-            layer.mlp.act_mul = select_act_mul(spec.activation, device, dtype)
+            layer.mlp.set_act_mul(select_act_mul(spec.activation, device, dtype))
+        ext = cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        if ext is not None:
+            self.select_moe_kernels(ext)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -300,22 +279,40 @@ class DecoderForCausalLM(nn.Module):
             def weight(norm: RMSNorm | None) -> torch.Tensor | None:
                 return None if norm is None else norm.weight
 
+            none = ext.LinearWeights(0, torch.empty(0), None, None, None, 0)
+
+            def mlp(l: DecoderLayer) -> dict:
+                if isinstance(l.mlp, SparseMoE):  # (its MoeWeights: the layer's kernel call's own)
+                    return {"gate_up": none, "down": none, "moe": l.mlp.kernel[1]}
+                return {"gate_up": linear(l.mlp.gate_up_proj), "down": linear(l.mlp.down_proj)}
+
+            self.select_moe_kernels(ext)
             self._fused_layers = [
                 ext.LayerWeights(
                     l.input_layernorm.weight, l.pre_mlp_norm.weight,
-                    *map(linear, (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
-                                  l.mlp.down_proj)),
-                    weight(l.self_attn.q_norm), weight(l.self_attn.k_norm),
-                    weight(l.post_attn_norm), weight(l.post_mlp_norm),
+                    qkv=linear(l.self_attn.qkv_proj), o=linear(l.self_attn.o_proj),
+                    q_norm=weight(l.self_attn.q_norm), k_norm=weight(l.self_attn.k_norm),
+                    post_attn_norm=weight(l.post_attn_norm), post_mlp_norm=weight(l.post_mlp_norm),
+                    **mlp(l),
                 )
                 for l in self.layers
             ]  # fmt: skip
             self._fused_specs = [
                 ext.DecoderLayerSpec(l.self_attn.rope_index, s.sliding_window or 0, s.attn_scale,
-                                     s.attn_softcap or 0.0, ACTIVATIONS.index(s.activation))
+                                     s.attn_softcap or 0.0, ACTIVATIONS.index(s.activation),
+                                     qk_norm_all=l.self_attn.qk_norm_all)
                 for l, s in zip(self.layers, self.spec.layers)
             ]  # fmt: skip
         return self._fused_layers, self._fused_specs
+
+    def select_moe_kernels(self, ext) -> None:
+        """Mixture layers run moe_layer.h (through `ext`, the step's extension) from now on:
+        weights as they are stored now (call again after a repack)."""
+        int8 = formats.int8_activations_default(ext)
+        for layer, spec in zip(self.layers, self.spec.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                weights = layer.mlp.kernel_weights(ext, kernel_linear_weights, ACTIVATIONS.index(spec.activation))
+                layer.mlp.kernel = (ext, weights, int8)
 
     def _decode_layers(self, ext, x, ropes, kv_caches, meta: AttentionMetadata,
                        captured: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -345,6 +342,9 @@ class DecoderForCausalLM(nn.Module):
         """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""
         self._fused_layers = None
         self._tiles = True
+        moe = next((l.mlp for l in self.layers if isinstance(l.mlp, SparseMoE) and l.mlp.kernel), None)
+        if moe is not None:
+            self.select_moe_kernels(moe.kernel[0])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that sample: [B, vocab]."""
@@ -353,6 +353,43 @@ class DecoderForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _load_moe(self, src: str, dst: str, moe, take, put, put_linear) -> None:
+        """One mixture layer's router (kept fp32: routing decides which weights run at all),
+        experts and shared expert, from per-expert tensors (`{MOE_MODULE}.experts.{e}.*`) or
+        stacked ones under `mlp.experts.` (transformers' `gate_up_proj` [E, 2I, H] and
+        `down_proj`; or the GGUF loader's `gate_proj` / `up_proj` / `down_proj`, packed weights
+        with the experts' rows one after another)."""
+        stacked = f"{src}mlp.experts.down_proj" in self._weight_names
+        mod = f"{src}mlp." if stacked else f"{src}{self.MOE_MODULE}."
+        router = take(f"{mod}gate.weight")
+        put(f"{dst}gate.weight", router if isinstance(router, torch.Tensor) else linear_weight([router], "none"))
+        gate, up, down = self.EXPERT_NAMES
+
+        def expert(name: str, e: int):
+            w = take(f"{mod}experts.{name}")
+            if isinstance(w, QuantizedWeight):
+                rows = w.shape[0] // moe.num_experts
+                return w.rows(torch.arange(e * rows, (e + 1) * rows))
+            return w[e]
+
+        for e in range(moe.num_experts):
+            if not stacked:
+                gate_up = [take(f"{mod}experts.{e}.{gate}.weight"), take(f"{mod}experts.{e}.{up}.weight")]
+                down_w = take(f"{mod}experts.{e}.{down}.weight")
+            elif f"{mod}experts.gate_up_proj" in self._weight_names:
+                gate_up, down_w = [expert("gate_up_proj", e)], expert("down_proj", e)
+            else:
+                gate_up = [expert("gate_proj", e), expert("up_proj", e)]
+                down_w = expert("down_proj", e)
+            put_linear(f"{dst}experts.{e}.gate_up_proj", gate_up)
+            put_linear(f"{dst}experts.{e}.down_proj", [down_w])
+        if moe.shared_intermediate:
+            shared = f"{mod}shared_expert."
+            put_linear(f"{dst}shared_expert.gate_up_proj",
+                       [take(f"{shared}gate_proj.weight"), take(f"{shared}up_proj.weight")])  # fmt: skip
+            put_linear(f"{dst}shared_expert.down_proj", [take(f"{shared}down_proj.weight")])
+            put(f"{dst}shared_expert_gate.weight", take(f"{mod}shared_expert_gate.weight").reshape(1, -1))
 
     def load_weights(
         self,
@@ -365,6 +402,7 @@ class DecoderForCausalLM(nn.Module):
         self._fused_layers = None
         self._tiles = False
         own = dict(self.named_parameters(remove_duplicate=False))
+        self._weight_names = weights.keys()
         used: set[str] = set()
         offset = self.spec.norm_offset
 
@@ -439,6 +477,9 @@ class DecoderForCausalLM(nn.Module):
                 put_norm(f"{dst}self_attn.q_norm.weight", take(f"{attn}q_norm.weight"))
                 put_norm(f"{dst}self_attn.k_norm.weight", take(f"{attn}k_norm.weight"))
             put_linear(f"{dst}self_attn.o_proj", [take(f"{attn}o_proj.weight")])
+            if spec.moe is not None:
+                self._load_moe(src, f"{dst}mlp.", spec.moe, take, put, put_linear)
+                continue
             mlp = f"{src}mlp."
             if self.FUSED_GATE_UP:
                 gate_up = [take(f"{mlp}gate_up_proj.weight")]

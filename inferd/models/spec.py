@@ -65,6 +65,28 @@ class RopeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts MLP: softmax over the router's logits (fp32), the `top_k` largest kept
+    (renormalised to sum 1 where `renormalize`), each chosen expert's SwiGLU-style MLP weighted by
+    its probability; plus, where `shared_intermediate`, a shared expert whose output a sigmoid
+    gate scales (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    renormalize: bool
+    shared_intermediate: int = 0
+
+    @staticmethod
+    def of(cfg: ModelConfig) -> MoeSpec:
+        return MoeSpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                       cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)  # fmt: skip
+
+
+QK_NORM_SPANS = ("head", "all")
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSpec:
     rope: RopeSpec
     attn_scale: float  # multiplies q·k (HF: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5)
@@ -72,9 +94,12 @@ class LayerSpec:
     sliding_window: int | None = None
     attn_softcap: float | None = None  # scores → cap · tanh(scores / cap) before the softmax
     norm: str = "pre"  # NORM_PLACEMENTS
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE
+    qk_norm: bool = False  # RMSNorm of queries and keys before RoPE
+    # "head": over each head (Qwen3, Gemma 3); "all": over the whole q and k projections (OLMoE)
+    qk_norm_span: str = "head"
     activation: str = "silu"  # ACTIVATIONS
     qkv_bias: bool = False
+    moe: MoeSpec | None = None  # None: a dense MLP
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_PLACEMENTS:
@@ -87,6 +112,8 @@ class LayerSpec:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding window must be >= 1, got {self.sliding_window}")
+        if self.qk_norm_span not in QK_NORM_SPANS:
+            raise ValueError(f"unknown qk-norm span {self.qk_norm_span!r} (known: {', '.join(QK_NORM_SPANS)})")
         if self.attn_softcap is not None and not self.attn_softcap > 0:
             raise ValueError(f"attention soft-capping must be > 0, got {self.attn_softcap}")
 
@@ -130,10 +157,16 @@ class ModelSpec:
         first = self.layers[0]
         out = [f"{first.norm} norms" if first.norm != "pre" else "pre-norm"]
         if first.qk_norm:
-            out.append("qk-norm")
+            out.append("qk-norm" if first.qk_norm_span == "head" else "qk-norm over all heads")
         out.append(first.activation)
         if first.qkv_bias:
             out.append("qkv bias")
+        moe = [layer.moe for layer in self.layers if layer.moe is not None]
+        if moe:
+            m = moe[0]
+            where = "" if len(moe) == len(self.layers) else f" in {len(moe)} of {len(self.layers)} layers"
+            shared = f" + a shared expert of {m.shared_intermediate}" if m.shared_intermediate else ""
+            out.append(f"MoE top-{m.top_k} of {m.num_experts} experts of {m.intermediate}{shared}{where}")
         if first.attn_softcap:
             out.append(f"attention softcap {first.attn_softcap:g}")
         if self.final_softcap:
@@ -165,6 +198,7 @@ def uniform_spec(
     *,
     norm: str = "pre",
     qk_norm: bool = False,
+    qk_norm_span: str = "head",
     embed_scale: bool = False,
     norm_offset: float = 0.0,
 ) -> ModelSpec:
@@ -177,7 +211,8 @@ def uniform_spec(
     if cfg.rope_local_theta is not None:
         local_rope = RopeSpec.of(cfg.rope_local_theta, None)
     layers = []
-    for kind in cfg.layer_kinds():
+    moe = MoeSpec.of(cfg) if cfg.num_experts else None
+    for i, kind in enumerate(cfg.layer_kinds()):
         local = kind == "sliding_attention"
         layers.append(LayerSpec(
             rope=local_rope if local else global_rope,
@@ -186,8 +221,10 @@ def uniform_spec(
             attn_softcap=cfg.attn_logit_softcapping,
             norm=norm,
             qk_norm=qk_norm,
+            qk_norm_span=qk_norm_span,
             activation=act,
             qkv_bias=cfg.attention_bias,
+            moe=moe if cfg.is_moe_layer(i) else None,
         ))  # fmt: skip
     return ModelSpec(
         layers=tuple(layers),

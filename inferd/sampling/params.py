@@ -28,6 +28,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
     structured: StructuredOutputsParams | None = None  # constrain the output to a grammar
+    # The prefix-cache salt: blocks are shared only among requests with the same one (a digest,
+    # server/privacy.py; kept out of repr, so out of the request log).
+    cache_salt: str | None = field(default=None, repr=False)
     # Filled by validation: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 

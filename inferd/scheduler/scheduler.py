@@ -216,7 +216,7 @@ class Scheduler:
                 deferred.add(seq.seq_id)  # wait for the running prefill to cache it, then reuse it
                 continue
             # Reuse the longest cached prefix: only the rest is computed.
-            cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids)
+            cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
             seq.num_computed_tokens = cached
             n = self._chunk(seq, min(budget, prefill_room))
             if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
@@ -251,7 +251,9 @@ class Scheduler:
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += n  # a prompt chunk or a recomputation
             seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.cache_computed_blocks(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.params.cache_salt
+            )
         for s in sampled:
             if s.forked_from is not None:  # shares every block of its parent's prompt
                 s.seq.num_computed_tokens = s.forked_from.num_computed_tokens
@@ -278,7 +280,9 @@ class Scheduler:
                 finished.append(seq)
             elif s.num_accepted is not None:
                 self.kv.truncate(seq.seq_id, seq.num_computed_tokens)  # rejected drafts' K/V
-                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.kv.cache_computed_blocks(
+                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.params.cache_salt
+                )
             if s.num_accepted is not None:
                 seq.spec.clear()
         return finished
@@ -294,7 +298,7 @@ class Scheduler:
         version = self.kv.prefix_cache.version
         memo = self._cached_len_memo.get(seq.seq_id)
         if memo is None or memo[0] != version:
-            memo = (version, self.kv.cached_prefix_len(seq.token_ids))
+            memo = (version, self.kv.cached_prefix_len(seq.token_ids, seq.params.cache_salt))
             self._cached_len_memo[seq.seq_id] = memo
         return memo[1]
 
@@ -315,6 +319,8 @@ class Scheduler:
         for other in prefilling:
             if cached >= min(limit, other.num_prompt_tokens // bs):
                 continue
+            if other.params.cache_salt != seq.params.cache_salt:
+                continue  # another tenant's blocks: never shared
             theirs = other.token_ids
             if theirs[end - bs : end] == tokens[end - bs : end] and theirs[:end] == tokens[:end]:
                 return True

@@ -19,6 +19,8 @@ import inferd
 from inferd.engine.async_engine import AsyncEngine
 from inferd.server.debug import install_debug_routes
 from inferd.server.errors import APIError, api_errors, error_response, install_error_handlers
+from inferd.server.http_timeouts import BodyTimeoutMiddleware
+from inferd.server.limits import AdmissionLimits
 from inferd.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from inferd.server.protocol import (
@@ -45,12 +47,16 @@ def build_app(
     engine: AsyncEngine,
     served_model_names: list[str],
     *,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_log_len: int | None = None,
-    log_requests: bool = True,
+    log_requests: bool = False,
     on_ready: Any = None,
     tool_call_parser: str = "auto",
+    limits: AdmissionLimits | None = None,
+    body_timeout: float = 30.0,
+    prefix_cache_isolation: str = "none",
+    allow_control_tokens_in_content: bool = False,
     supervision: SupervisionConfig | None = None,
     enable_debug_endpoints: bool = False,
 ) -> FastAPI:
@@ -58,14 +64,18 @@ def build_app(
 
     `on_ready(engine)` is called once the model has loaded (the CLI logs the startup line there).
     `tool_call_parser`: how tool calls are read from outputs (a name in TOOL_PARSERS, or "auto").
+    `limits`: admission limits (limits.py); `body_timeout`: seconds to read a body (408 after);
+    `prefix_cache_isolation` (privacy.py), `allow_control_tokens_in_content` (control_tokens.py).
     `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
     defaults); `enable_debug_endpoints`: /debug/* (debug.py).
     """
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
     engine.observer = metrics
     state = ServerState(
-        engine, served_model_names, metrics, max_log_len, log_requests, tool_call_parser
-    )
+        engine, served_model_names, metrics, max_log_len, log_requests, tool_call_parser,
+        limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
+        allow_control_tokens_in_content=allow_control_tokens_in_content,
+    )  # fmt: skip
     state.supervisor = EngineSupervisor(
         engine, supervision or SupervisionConfig(), metrics.registry, served_model_names[0]
     )
@@ -108,8 +118,12 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout=body_timeout)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: refuse before reading
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if state.limits.admin_api_key:
+            keys.append(state.limits.admin_api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=keys)  # outermost: refuse before reading
     if enable_debug_endpoints:
         install_debug_routes(app, state)
 

@@ -7,6 +7,9 @@ import logging
 
 from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from inferd.server.http_timeouts import add_timeout_args, uvicorn_options
+from inferd.server.limits import add_limit_args, limits_from_args
+from inferd.server.privacy import PREFIX_CACHE_ISOLATION
 from inferd.server.supervisor import add_supervision_args, supervision_config
 from inferd.structured.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -27,21 +30,42 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     g.add_argument(
         "--api-key",
+        nargs="+",
         default=envs.INFERD_API_KEY,
-        help="require 'Authorization: Bearer KEY' (default: $INFERD_API_KEY)",
+        help="require 'Authorization: Bearer KEY', one of these keys (default: $INFERD_API_KEY)",
     )
     g.add_argument(
         "--max-log-len",
         type=int,
         default=None,
-        help="characters (or token ids) of each prompt to log",
+        help="characters (or token ids) of each prompt to log (with --enable-log-requests)",
     )
-    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's prompt and parameters at INFO (off by default: prompts are "
+        "private; API keys are never logged)",
+    )
+    g.add_argument("--disable-log-requests", action="store_true", help="the default; accepted "
+                   "for vLLM compatibility")  # fmt: skip
     g.add_argument(
         "--max-queue-len",
         type=int,
-        default=None,
-        help="requests allowed to wait for the engine before 503s (default: no limit)",
+        default=1024,
+        help="engine requests allowed to wait for the engine before 503s (0: no limit)",
+    )
+    g.add_argument(
+        "--prefix-cache-isolation",
+        choices=PREFIX_CACHE_ISOLATION,
+        default="none",
+        help="api-key: each API key (tenant) sees only its own prefix cache and cached_tokens; "
+        "the request field `cache_salt` separates further",
+    )
+    g.add_argument(
+        "--allow-control-tokens-in-content",
+        action="store_true",
+        help="tokenize control-token spellings in message content (e.g. <|im_end|>) as the "
+        "control tokens themselves, as the raw template would: lets a user forge turns",
     )
     g.add_argument(
         "--max-request-bytes",
@@ -80,6 +104,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     add_supervision_args(g)
     g.add_argument("--uvicorn-log-level", default="warning")
+    add_limit_args(p)
+    add_timeout_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -106,10 +132,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.core import EngineCore
     from inferd.server.app import build_app
-    from inferd.server.stream_guards import http_protocol
+    from inferd.server.stream_guards import with_transport_in_scope
 
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    limits = limits_from_args(args)  # validated here, before the port opens
     config = engine_config_from_args(args)  # validated here, before the port opens
     supervision = supervision_config(args)
     template = None
@@ -148,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(
         build_engine,
-        max_queue_len=args.max_queue_len,
+        max_queue_len=None,  # the front end admits by --max-queue-len (limits.py)
         engine_process=args.engine_process,
         bind_cpus=args.engine_process,  # this process only serves HTTP: it may move
         stream_interval=args.stream_interval,
@@ -160,9 +185,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         max_log_len=args.max_log_len,
-        log_requests=not args.disable_log_requests,
+        log_requests=args.enable_log_requests,
         on_ready=on_ready,
         tool_call_parser=args.tool_call_parser,
+        limits=limits,
+        body_timeout=args.body_timeout,
+        prefix_cache_isolation=args.prefix_cache_isolation,
+        allow_control_tokens_in_content=args.allow_control_tokens_in_content,
         supervision=supervision,
         enable_debug_endpoints=args.enable_debug_endpoints,
     )
@@ -173,6 +202,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,
-        http=http_protocol(),
+        **with_transport_in_scope(uvicorn_options(args)),
     )
     return 0

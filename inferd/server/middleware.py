@@ -43,11 +43,13 @@ async def _send_error(
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path except `OPEN_PATHS` (401 otherwise)."""
+    """`Authorization: Bearer <key>` on every path except `OPEN_PATHS` (401 otherwise); `api_key`:
+    one key or several (tenants, the admin key)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.expected = [f"Bearer {k}".encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
@@ -55,7 +57,8 @@ class APIKeyMiddleware:
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         # Constant-time comparison: the key must not leak through response timing.
-        if not hmac.compare_digest(given, self.expected):
+        # Every key compared (a list, not a generator): the time does not tell which one matched.
+        if not any([hmac.compare_digest(given, key) for key in self.expected]):  # noqa: C419
             message = "missing API key" if not given else "incorrect API key provided"
             await _send_error(
                 send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")]

@@ -16,7 +16,9 @@ from inferd.engine.async_engine import RequestStream
 from inferd.engine.outputs import RequestOutput
 from inferd.loader.tokenizer import ChatTemplateError, Tokenizer
 from inferd.scheduler.sequence import Logprob
+from inferd.server.control_tokens import GuardedMessages, guard_messages
 from inferd.server.errors import APIError, to_api_error
+from inferd.server.input_checks import check_template_kwargs, check_tool_calls
 from inferd.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -109,8 +111,15 @@ async def render_chat(
     `parser`'s call format, in the system message (or the first user message, for a template
     without a system role) instead, and past tool calls written into the assistant turns."""
     tok = state.tokenizer
+    check_template_kwargs(extra)
     try:
         dicts = message_dicts(messages)
+        check_tool_calls(dicts)
+        # Control tokens spelled in content stay text (control_tokens.py), unless the flag says.
+        guarded = GuardedMessages(dicts)
+        if not state.allow_control_tokens_in_content:
+            guarded = guard_messages(tok, dicts)
+            dicts = guarded.messages
         kwargs = {"add_generation_prompt": add_generation_prompt, **(extra or {})}
         text = tok.apply_chat_template(dicts, tools=tools, **kwargs)
         has_calls = any(d.get("tool_calls") for d in dicts)
@@ -120,6 +129,8 @@ async def render_chat(
     except ChatTemplateError as e:
         raise to_api_error(e) from e
     # The template writes the special tokens (BOS included) itself.
+    if guarded.replaced:
+        return guarded.encode(tok, text)
     return await encode(tok, text, add_special_tokens=False)
 
 
@@ -185,6 +196,7 @@ async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, raw: Request
 ) -> Any:
     model = state.check_model(req.model)
+    salt = state.admit(req, raw)
     _check_unsupported(req)
     functions, tool_choice = _tools(req)
     if tool_choice == "none":
@@ -213,6 +225,7 @@ async def create_chat_completion(
         aliases=_CHAT_ALIASES,
         structured=structured,
     )
+    params.cache_salt = salt
     if parser is not None and parser.needs_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token
     request_id = random_id("chatcmpl")

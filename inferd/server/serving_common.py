@@ -4,6 +4,7 @@ parameters, request logging, SSE framing and client-disconnect handling."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -19,9 +20,12 @@ from inferd.engine.async_engine import AsyncEngine, RequestStream, RequestUpdate
 from inferd.loader.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
+from inferd.server.fair_share import share_window
+from inferd.server.limits import AdmissionLimits, check_queue, check_request
 from inferd.server.metrics import ServerMetrics
+from inferd.server.privacy import bearer_token, cache_salt, shown_prompt
 from inferd.server.protocol import _SamplingFields
-from inferd.server.stream_guards import arm_deadlines, check_timeout, drop_client_on_overflow
+from inferd.server.stream_guards import Deadline, check_timeout, drop_client_on_overflow
 from inferd.structured import StructuredOutputsParams
 from inferd.structured.tool_parsers import ToolParser, tool_parser
 
@@ -46,8 +50,11 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     max_log_len: int | None = None
-    log_requests: bool = True
+    log_requests: bool = False
     tool_call_parser: str = "auto"  # --tool-call-parser: a name in TOOL_PARSERS, or "auto"
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    prefix_cache_isolation: str = "none"  # privacy.py
+    allow_control_tokens_in_content: bool = False  # control_tokens.py
     created: int = field(default_factory=lambda: int(time.time()))
     supervisor: EngineSupervisor | None = None  # restarts, heartbeat (supervisor.py)
 
@@ -97,12 +104,18 @@ class ServerState:
         assert info is not None
         return info.max_model_len
 
+    def admit(self, req: _SamplingFields, raw: Request, prompts: int = 1) -> str | None:
+        """Admission (limits.py: 400 over a limit, 503 over the queue); returns the request's
+        prefix-cache salt (privacy.py)."""
+        key = bearer_token(raw)
+        check_request(self.limits, req, prompts=prompts, api_key=key)
+        check_queue(self.limits, self.ready_engine().num_waiting)
+        return cache_salt(self.prefix_cache_isolation, req.cache_salt, key)
+
     def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        if not self.log_requests:
+        if not self.log_requests:  # off unless --enable-log-requests: prompts are private
             return
-        shown: str | list[int] = prompt
-        if self.max_log_len is not None:
-            shown = prompt[: self.max_log_len]
+        shown = shown_prompt(prompt, self.max_log_len)
         logger.info("received request %s: prompt: %r, params: %s", request_id, shown, params)
 
 
@@ -249,23 +262,33 @@ async def add_requests(
     `stream=False`: the response is built from the final outputs only.
     `timeout`: seconds from now until the requests are aborted with a 408 (stream_guards.py).
     """
-    started = time.monotonic()
     check_timeout(timeout)
     engine = state.ready_engine()
+    counter = state.supervisor.request_timeouts_total.inc if state.supervisor else None
+    deadline = Deadline(timeout, counter)
+
+    async def submit(i: int) -> RequestStream:
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        state.log_request(rid, texts[i] if texts else prompts[i], params)
+        accepted = await engine.add_request(rid, prompts[i], params, priority, stream)
+        deadline.arm(accepted)
+        return accepted
+
+    # The first window now (all or none); the rest as earlier ones end (fair_share.py).
+    window = state.limits.max_concurrent_prompts
     streams: list[RequestStream] = []
     try:
-        for i, ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            state.log_request(rid, texts[i] if texts else ids, params)
-            streams.append(await engine.add_request(rid, ids, params, priority, stream))
+        for i in range(min(window, len(prompts))):
+            streams.append(await submit(i))
     except BaseException as e:
         for accepted in streams:
             accepted.close()
         if isinstance(e, Exception):
             raise to_api_error(e, user_input=False) from e
         raise
-    counter = state.supervisor.request_timeouts_total.inc if state.supervisor else None
-    arm_deadlines(streams, timeout, started, counter)
+    if len(prompts) > window:
+        later = [functools.partial(submit, i) for i in range(window, len(prompts))]
+        return share_window(streams, later)  # type: ignore[return-value]
     return streams
 
 

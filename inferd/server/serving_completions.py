@@ -16,6 +16,7 @@ from inferd.engine.async_engine import RequestStream, RequestUpdate
 from inferd.engine.outputs import RequestOutput
 from inferd.scheduler.sequence import Logprob
 from inferd.server.errors import APIError
+from inferd.server.limits import num_prompts
 from inferd.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -93,10 +94,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             "echo with logprobs needs prompt logprobs, which are not supported yet",
             param="echo",
         )
+    salt = state.admit(req, raw, prompts=num_prompts(req.prompt))
     prompts = await _prompts(state, req)
     max_len = state.max_model_len
     max_tokens = min(check_length(len(ids), req.max_tokens, max_len) for ids in prompts)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params.cache_salt = salt
     request_id = random_id("cmpl")
     created = now_s()
     texts = [req.prompt] if isinstance(req.prompt, str) else None

@@ -7,8 +7,9 @@ engine's news piles up in the request's `RequestStream`. Past `--max-stream-buff
 the stream fails itself (the engine aborts the request and frees its blocks before the next step)
 and the connection is aborted here: a graceful close would wait forever to flush to a client that
 never reads. uvicorn does not hand the ASGI app its transport, so `http_protocol()` is uvicorn's
-own httptools protocol with the transport put in the scope's extensions; without it (another
-protocol) the response's task is cancelled, and uvicorn closes the connection itself.
+httptools protocol (as `inferd serve` configures it) with the transport put in the scope's
+extensions (`with_transport_in_scope`); without it (h11) the response's task is cancelled, and
+uvicorn closes the connection itself.
 
 The same protocol caps each connection's kernel send buffer at `SOCKET_SEND_BUFFER`: Linux grows
 it up to `tcp_wmem`'s maximum (4 MiB here, ~20k streamed tokens) for a client that stops reading,
@@ -21,6 +22,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import Scope
 
@@ -46,28 +48,26 @@ def check_timeout(timeout: float | None) -> None:
         raise APIError(400, f"timeout must be > 0 seconds, got {timeout}", param="timeout")
 
 
-def arm_deadlines(
-    streams: list[RequestStream],
-    timeout: float | None,
-    started: float,
-    on_timeout: Callable[[], None] | None = None,
-) -> None:
-    """Each stream fails with a 408 `request_timeout` unless it ends `timeout` seconds after
-    `started` (time.monotonic()); `on_timeout` counts each request that hit it."""
-    if timeout is None:
-        return
-    counted = False
+class Deadline:
+    """A request's `timeout`: each of its streams, armed when the engine accepts it, fails with
+    a 408 `request_timeout` unless it ends `timeout` seconds after this was made (the request's
+    arrival, near enough). `on_timeout` counts each request that hit it, once."""
 
-    def error() -> Exception:
-        nonlocal counted
-        if on_timeout is not None and not counted:
-            counted = True
-            on_timeout()
-        return RequestTimeoutError(timeout)
+    def __init__(self, timeout: float | None, on_timeout: Callable[[], None] | None = None) -> None:
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self._on_timeout = on_timeout
 
-    left = timeout - (time.monotonic() - started)
-    for stream in streams:
-        stream.set_deadline(left, error)
+    def arm(self, stream: RequestStream) -> None:
+        if self.timeout is not None:
+            stream.set_deadline(self.timeout - (time.monotonic() - self.started), self._error)
+
+    def _error(self) -> Exception:
+        assert self.timeout is not None
+        if self._on_timeout is not None:
+            self._on_timeout()
+            self._on_timeout = None
+        return RequestTimeoutError(self.timeout)
 
 
 def drop_client_on_overflow(scope: Scope, streams: list[RequestStream]) -> None:
@@ -85,14 +85,21 @@ def drop_client_on_overflow(scope: Scope, streams: list[RequestStream]) -> None:
         stream.on_overflow = drop
 
 
-def http_protocol() -> type | str:
-    """uvicorn's `http=`: its httptools protocol, telling the app its transport; else "auto"."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return "auto"
+def with_transport_in_scope(options: dict[str, Any]) -> dict[str, Any]:
+    """`uvicorn.run` options whose HTTP protocol also tells the app its transport and caps each
+    connection's send buffer: a subclass of the `http` protocol class the options name (or of
+    uvicorn's httptools protocol for "auto"/"httptools"); h11 is left as it is."""
+    base = options.get("http", "auto")
+    if isinstance(base, str):
+        if base not in ("auto", "httptools"):
+            return options
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        except ImportError:
+            return options
+        base = HttpToolsProtocol
 
-    class TransportInScope(HttpToolsProtocol):
+    class TransportInScope(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -106,6 +113,6 @@ def http_protocol() -> type | str:
             super().on_message_begin()
             extensions = dict(self.scope.get("extensions") or {})
             extensions[TRANSPORT_EXTENSION] = self.transport
-            self.scope["extensions"] = extensions  # type: ignore[typeddict-unknown-key]
+            self.scope["extensions"] = extensions
 
-    return TransportInScope
+    return {**options, "http": TransportInScope}

@@ -69,7 +69,9 @@ class DraftModelProposer(Proposer):
         if entry is None:
             shadow = Sequence(seq.request_id, seq.index, list(seq.token_ids), seq.num_prompt_tokens,
                               seq.params, generator=seq.generator)  # fmt: skip
-            shadow.num_computed_tokens = self.kv.attach_cached_prefix(shadow.seq_id, shadow.token_ids)
+            shadow.num_computed_tokens = self.kv.attach_cached_prefix(
+                shadow.seq_id, shadow.token_ids, seq.params.cache_salt
+            )
             self.shadows[seq.seq_id] = _Shadow(shadow, seq.num_tokens)
             return shadow
         shadow, real = entry.seq, entry.num_real
@@ -122,7 +124,8 @@ class DraftModelProposer(Proposer):
             for shadow, n in scheduled:
                 shadow.num_computed_tokens += n
                 if first:  # only the target's own tokens go into the draft's prefix cache
-                    self.kv.cache_computed_blocks(shadow.seq_id, shadow.token_ids, shadow.num_computed_tokens)
+                    self.kv.cache_computed_blocks(shadow.seq_id, shadow.token_ids,
+                                                  shadow.num_computed_tokens, shadow.params.cache_salt)  # fmt: skip
             first = False
             views = [DraftView(targets[i], drafts[i]) for i in active]
             tokens, q = self._sample(logits, views)

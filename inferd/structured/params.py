@@ -37,7 +37,7 @@ class StructuredOutputsParams:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, RecursionError) as e:
                     raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")

@@ -84,7 +84,7 @@ def _marker_start(text: str, marker: str) -> int:
 def _loads(text: Any) -> Any:
     try:
         return json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
 
 
@@ -109,7 +109,7 @@ def _bare_json_calls(text: str, functions: Functions, new_id: Any) -> list[ToolC
         return None
     try:
         return as_calls(json.loads(stripped), functions, new_id)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 
@@ -143,7 +143,7 @@ class HermesParser(ToolParser):
         for body in self._TAGGED.findall(text):
             try:
                 calls.extend(as_calls(json.loads(body), functions, self.new_id) or [])
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         if not calls:
             return text, []
@@ -181,7 +181,7 @@ class MistralParser(ToolParser):
             if part.startswith("["):  # v0.3: a JSON array of {"name", "arguments"}
                 try:
                     value, _ = _DECODER.raw_decode(part)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     return text, []
                 found = as_calls(value, functions, self.new_id)
             else:  # name[ARGS]{...} (or name[CALL_ID]id[ARGS]{...})
@@ -198,7 +198,7 @@ class MistralParser(ToolParser):
             return None
         try:
             args, _ = _DECODER.raw_decode(rest.strip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         return as_calls({"name": name, "arguments": args}, functions, self.new_id)
 
@@ -227,7 +227,7 @@ class Llama3JsonParser(ToolParser):
         while pos < len(body):
             try:
                 value, end = _DECODER.raw_decode(body, pos)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return text, []
             found = as_calls(value, functions, self.new_id)
             if not found:

@@ -109,28 +109,53 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
            py::arg("group"), py::arg("stream") = true);
+  py::class_<decoder::MoeWeights>(m, "MoeWeights", py::module_local())
+      .def(py::init([](torch::Tensor router, std::vector<LinearWeights> gate_up, std::vector<LinearWeights> down,
+                       int64_t top_k, bool renormalize, int64_t activation,
+                       c10::optional<LinearWeights> shared_gate_up, c10::optional<LinearWeights> shared_down,
+                       c10::optional<torch::Tensor> shared_gate, c10::optional<torch::Tensor> expert_counts) {
+             TORCH_CHECK(shared_gate.has_value() == (shared_gate_up.has_value() && shared_down.has_value()),
+                         "MoeWeights: a shared expert needs its gate_up, down and gate");
+             TORCH_CHECK(router.scalar_type() == torch::kFloat32 && router.dim() == 2, "MoeWeights: fp32 router [E, H]");
+             const LinearWeights none{0, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), 0};
+             return decoder::MoeWeights{router, gate_up, down, top_k, renormalize, activation,
+                                        shared_gate_up.value_or(none), shared_down.value_or(none),
+                                        shared_gate.value_or(torch::Tensor()), expert_counts.value_or(torch::Tensor())};
+           }),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
+           py::arg("activation"), py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none(), py::arg("expert_counts") = py::none());
+  m.def("moe_forward", [](torch::Tensor x, const decoder::MoeWeights& moe, bool int8_activations) {
+          const Shape s{0, 0, 0, 0, 0.0, 0.0, int8_activations};
+          return decoder::moe_forward(x, moe, s);
+        }, "a mixture-of-experts MLP over x [T, hidden]: (output, tokens routed to each expert)",
+        py::arg("x"), py::arg("moe"), py::arg("int8_activations"), py::call_guard<py::gil_scoped_release>());
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, LinearWeights qkv, LinearWeights o,
                        LinearWeights gate_up, LinearWeights down, c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, c10::optional<torch::Tensor> post_attn_norm,
-                       c10::optional<torch::Tensor> post_mlp_norm) {
+                       c10::optional<torch::Tensor> post_mlp_norm, c10::optional<decoder::MoeWeights> moe) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerWeights: q_norm and k_norm together");
              TORCH_CHECK(post_attn_norm.has_value() == post_mlp_norm.has_value(),
                          "LayerWeights: post_attn_norm and post_mlp_norm together");
              return LayerWeights{input_norm, post_norm, qkv, o, gate_up, down,
                                  q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
-                                 post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor())};
+                                 post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor()),
+                                 moe.value_or(decoder::MoeWeights{})};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none());
+           py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none(),
+           py::arg("moe") = py::none());
   py::class_<decoder::LayerSpec>(m, "DecoderLayerSpec", py::module_local())
-      .def(py::init([](int64_t rope, int64_t window, double scale, double softcap, int64_t activation) {
+      .def(py::init([](int64_t rope, int64_t window, double scale, double softcap, int64_t activation,
+                       bool qk_norm_all) {
              TORCH_CHECK(window >= 0 && softcap >= 0.0 && (activation == 0 || activation == 1),
                          "DecoderLayerSpec: window >= 0, softcap >= 0, activation 0 (silu) or 1 (gelu_tanh)");
-             return decoder::LayerSpec{rope, window, scale, softcap, activation};
+             return decoder::LayerSpec{rope, window, scale, softcap, activation, qk_norm_all};
            }),
-           py::arg("rope"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("activation"));
+           py::arg("rope"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("activation"),
+           py::arg("qk_norm_all") = false);
   py::class_<Shape>(m, "DecoderShape", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, bool>(), py::arg("n_heads"),
            py::arg("n_kv"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),

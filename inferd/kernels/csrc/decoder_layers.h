@@ -24,31 +24,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "decoder_linear.h"
 #include "layer_ops.h"
+#include "moe_layer.h"
 #include "paged_attention.h"
-#include "dense_gemv.h"
-#include "gguf_blocks.h"
-#include "quant_gemm.h"
 
 namespace decoder {
-
-// One linear layer as the model holds it: `Linear` (fp32 weight, F.linear) or `QuantizedLinear`
-// (packed weight; inferd/quantization/formats.py `quantized_matmul` decides the kernel).
-struct LinearWeights {
-  enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3, kTiles = 4 };  // kTiles: packed int8/int4
-  int64_t kind;
-  torch::Tensor weight;  // fp32 [N, K] or the packed data
-  torch::Tensor scales, mins, bias;  // undefined where absent
-  int64_t group;
-  bool stream = true;  // packed tiles read once a step (a model's): prefetched past the caches
-};
-
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]: before attention, before the MLP
   LinearWeights qkv, o, gate_up, down;
   // Undefined where the layer has none: qk-norm weights [head_dim]; sandwich norms' post norms of
   // the attention and MLP outputs [hidden].
   torch::Tensor q_norm, k_norm, post_attn_norm, post_mlp_norm;
+  // A mixture layer's MLP (router undefined: the dense gate_up / down above).
+  MoeWeights moe;
 };
 
 // What the layer's spec varies beyond its weights (inferd/models/spec.py LayerSpec).
@@ -59,35 +48,8 @@ struct LayerSpec {
   double scale;
   double softcap;  // 0: none
   int64_t activation;
+  bool qk_norm_all = false;  // qk-norm over the whole q and k projections (OLMoE), not each head
 };
-
-struct Shape {
-  int64_t n_heads, n_kv, head_dim, intermediate;
-  double eps, scale;  // (decode_layers takes each layer's scale from its LayerSpec)
-  bool int8_activations;  // formats.INT8_ACTIVATIONS as resolved for this extension
-};
-
-inline torch::Tensor quantized_call(const LinearWeights& l, const torch::Tensor& x, bool int8_x) {
-  switch (l.kind) {
-    case LinearWeights::kInt8: return quant_gemm::q8_linear(x, l.weight, l.scales, l.group, int8_x);
-    case LinearWeights::kInt4: return quant_gemm::q4_linear(x, l.weight, l.scales, l.mins, l.group, int8_x);
-    default: return quant_gemm::fp8_linear(x, l.weight, l.scales, l.group);
-  }
-}
-
-inline torch::Tensor linear(const LinearWeights& l, const torch::Tensor& x, const Shape& s) {
-  if (l.kind == LinearWeights::kFloat) return dense::linear(x, l.weight, l.bias);
-  torch::Tensor y;
-  if (gguf_blocks::owns_kind(l.kind)) {  // kinds 5..14: GGUF's 5- / 6-bit and K-quant blocks
-    y = gguf_blocks::linear_kind(l.kind, x, l.weight, l.scales, l.mins, s.int8_activations, l.stream);
-  } else if (l.kind == LinearWeights::kTiles) {
-    TORCH_CHECK(s.int8_activations, "packed int8 tiles take int8 activations only");
-    y = quant_gemm::tiles_linear(x, l.weight, l.scales, l.mins.defined() ? l.mins : torch::empty({0}),
-                                 l.stream);
-  } else
-    y = quantized_call(l, x, s.int8_activations && l.kind != LinearWeights::kFp8);
-  return l.bias.defined() ? y + l.bias : y;
-}
 
 // A quantized cache's codes and scales (QuantizedKV.data / .scale), per layer; none for a plain
 // cache. `code`: the kernel's format number (0 int8, 1 fp8 e4m3, 2 fp8 e5m2); qmax its largest.
@@ -194,7 +156,12 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     const torch::Tensor& sn = sin[spec.rope];
     const torch::Tensor qk_rows = parts[0].view({t, s.n_heads + s.n_kv, s.head_dim});
     torch::Tensor q, k;
-    if (l.q_norm.defined()) {  // RMSNorm of each q and k head, then RoPE
+    if (l.q_norm.defined() && spec.qk_norm_all) {  // RMSNorm of all of q and all of k, then RoPE
+      q = layer_ops::rotary(layer_ops::rms_norm(parts[0].narrow(1, 0, q_size), l.q_norm, s.eps)
+                                .view({t, s.n_heads, s.head_dim}), c, sn);
+      k = layer_ops::rotary(layer_ops::rms_norm(parts[0].narrow(1, q_size, kv_size), l.k_norm, s.eps)
+                                .view({t, s.n_kv, s.head_dim}), c, sn);
+    } else if (l.q_norm.defined()) {  // RMSNorm of each q and k head, then RoPE
       q = layer_ops::rotary(layer_ops::rms_norm_heads(qk_rows.narrow(1, 0, s.n_heads), l.q_norm, s.eps), c, sn);
       k = layer_ops::rotary(layer_ops::rms_norm_heads(qk_rows.narrow(1, s.n_heads, s.n_kv), l.k_norm, s.eps), c, sn);
     } else {  // q and k heads rotate together
@@ -231,10 +198,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     torch::Tensor attn = linear(l.o, o.reshape({t, q_size}), s);
     if (l.post_attn_norm.defined()) attn = layer_ops::rms_norm(attn, l.post_attn_norm, s.eps);
     std::tie(x, h) = layer_ops::add_rms_norm(x, attn, l.post_norm, s.eps);
-    // MLP.forward
-    const torch::Tensor gu = linear(l.gate_up, h, s);
-    pending = linear(l.down, spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
-                                                                     : layer_ops::silu_mul(gu), s);
+    // MLP.forward, or SparseMoE.forward
+    if (l.moe.router.defined()) {
+      pending = std::get<0>(moe_forward(h, l.moe, s));
+    } else {
+      const torch::Tensor gu = linear(l.gate_up, h, s);
+      pending = linear(l.down, spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
+                                                                       : layer_ops::silu_mul(gu), s);
+    }
     if (l.post_mlp_norm.defined()) pending = layer_ops::rms_norm(pending, l.post_mlp_norm, s.eps);
   }
   if (pending.defined()) x = x + pending;

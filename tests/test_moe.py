@@ -1,0 +1,225 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE with a shared expert and a dense layer, Qwen3-MoE,
+OLMoE) from HF directories written by transformers' own classes and, where llama.cpp has the
+architecture, the same weights as GGUF with stacked expert tensors: greedy tokens equal
+transformers' batched, in 16-token chunks and on prefix-cache hits; the router picks
+transformers' experts; a token's output does not depend on what shares its batch; quantized
+experts stay packed; routing variants inferd does not compute are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_families import MOE_FAMILIES, build_hf, hf_greedy, write_family_gguf
+
+from inferd import LLM, SamplingParams
+from inferd.layers.moe import SparseMoE
+from inferd.layers.quantized_linear import QuantizedLinear
+from inferd.loader import ModelLoadError, load_model
+from inferd.models import decoder
+from inferd.quantization.formats import dequantize
+
+NEW_TOKENS = 16
+CLEAR_MARGIN = 1e-3  # closer top-2 logits are near-ties rounding order may flip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+GGUF_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")  # (llama.cpp's Qwen2-MoE has no dense layers)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name, family in MOE_FAMILIES.items():
+        model, vocab = build_hf(family, root / name)
+        gguf_path = None
+        if name in GGUF_FAMILIES:
+            gguf_path = root / f"{name}.gguf"
+            write_family_gguf(family, model, gguf_path)
+        g = torch.Generator().manual_seed(1)
+        a, b, c = (torch.randint(3, vocab, (n,), generator=g).tolist() for n in (30, 21, 40))
+        prompts = [a, b, c, a[:24] + b[:10]]
+        refs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        out[name] = (model, root / name, gguf_path, prompts, refs)
+    return out
+
+
+def _assert_matches(outs, refs, where: str) -> None:
+    for i, (o, (want, margins)) in enumerate(zip(outs, refs)):
+        got = o.outputs[0].token_ids
+        n = next((k for k, m in enumerate(margins) if m < CLEAR_MARGIN), len(want))
+        assert n >= NEW_TOKENS // 2, f"{where}: prompt {i}: the reference's logits tie at {n}"
+        assert got[:n] == want[:n], f"{where}: prompt {i}: {got} != transformers' {want}"
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), quantization="none", verbose=False, kv_cache_memory=8 << 20, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_greedy_matches_transformers(moe_models, family, fmt):
+    _, hf_dir, gguf_path, prompts, refs = moe_models[family]
+    if fmt == "gguf" and gguf_path is None:
+        pytest.skip(f"llama.cpp has no GGUF layout for this {family} (a dense layer among mixtures)")
+    llm = _llm(hf_dir if fmt == "hf" else gguf_path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    model = llm.engine.runner.model
+    assert any(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    _assert_matches(llm.generate(requests, GREEDY, use_tqdm=False), refs, "cold")
+    hits = llm.engine.stats.prefix_cache_hits_total
+    _assert_matches(llm.generate(requests, GREEDY, use_tqdm=False), refs, "cached")
+    assert llm.engine.stats.prefix_cache_hits_total > hits
+    llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_router_picks_transformers_experts(moe_models, family):
+    hf, hf_dir, *_ = moe_models[family]
+    ours = _llm(hf_dir).engine.runner.model
+    x = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    layer = 0
+    _, want_w, want_ids = hf.model.layers[layer].mlp.gate(x)
+    ids, w = ours.layers[layer].mlp.route(x)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_a_tokens_output_does_not_depend_on_its_batch(moe_models, family):
+    """Alone or among others (other tokens routed to its experts), a prompt's greedy tokens and
+    logprobs are the same bits (Qwen2-MoE: through its shared expert's sigmoid gate too)."""
+    _, hf_dir, _, prompts, _ = moe_models[family]
+    llm = _llm(hf_dir, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+    def run(batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        o = outs[batch.index(prompts[0])].outputs[0]
+        return [(t, lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs)]
+
+    assert run([prompts[0]]) == run([prompts[1], prompts[0], prompts[2], prompts[3]])
+
+
+def test_quantized_experts_stay_packed(moe_models, tmp_path):
+    """A GGUF whose expert stacks are Q8_0 loads them packed, each expert its own rows of the
+    stack (bit for bit what dequantizing the stack gives), and serves."""
+    _, _, gguf_path, prompts, _ = moe_models["qwen3_moe"]
+    reader = gguf.GGUFReader(str(gguf_path))
+    q8 = tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(q8), "qwen3moe")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0],
+                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+    stacks = {}
+    for t in reader.tensors:
+        arr = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
+        if "_exps" in t.name:
+            packed = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+            stacks[t.name] = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    llm = LLM(str(q8), quantization="auto", verbose=False, kv_cache_memory=8 << 20)
+    moe = llm.engine.runner.model.layers[1].mlp
+    for e in (0, 5):
+        down = moe.experts[e].down_proj
+        assert isinstance(down, QuantizedLinear) and down.qweight.source == "GGUF Q8_0"
+        want = torch.from_numpy(stacks["blk.1.ffn_down_exps.weight"][e])
+        assert torch.equal(dequantize(down.qweight), want)
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("scoring_func", "sigmoid", "scoring_func='sigmoid'"),
+     ("topk_method", "group_limited_greedy", "topk_method='group_limited_greedy'"),
+     ("num_experts_per_tok", 9, "num_experts_per_tok must be in [1, num_experts=8]")],
+)  # fmt: skip
+def test_routing_inferd_does_not_compute_is_refused(moe_models, tmp_path, field, value, message):
+    _, hf_dir, *_ = moe_models["qwen3_moe"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in hf_dir.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ModelLoadError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_model(str(bad))
+
+
+def test_info_names_the_mixture_and_its_active_parameters(moe_models):
+    _, hf_dir, *_ = moe_models["qwen2_moe"]
+    r = subprocess.run([sys.executable, "-m", "inferd.cli", "info", str(hf_dir)],
+                       capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "MoE top-2 of 8 experts of 64 + a shared expert of 96 in 1 of 2 layers" in r.stdout
+    assert "M active per token" in r.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_decode_and_torch_ops_give_the_kernel_layers_bits(moe_models, family, quantization, monkeypatch):
+    """Three ways to run a mixture: decode steps in the fused C++ step (decoder_layers.h calling
+    moe_layer.h), the Python layer loop calling moe_layer.h, and SparseMoE's PyTorch ops: the same
+    tokens and logprobs (OLMoE: qk-norm over all heads in the fused step too)."""
+    _, hf_dir, _, prompts, _ = moe_models[family]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    fused_rows: list[int] = []
+    real = decoder.DecoderForCausalLM._decode_layers
+
+    def counted(self, ext, x, *args):
+        fused_rows.append(x.shape[0])
+        return real(self, ext, x, *args)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    runs = []
+    for way in ("fused", "python", "torch"):
+        monkeypatch.setattr(decoder, "FUSED_DECODE", way == "fused")
+        fused_rows.clear()
+        llm = LLM(str(hf_dir), quantization=quantization, verbose=False, kv_cache_memory=8 << 20)
+        if way == "torch":
+            for layer in llm.engine.runner.model.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    assert layer.mlp.kernel is not None
+                    layer.mlp.kernel = None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert bool(fused_rows) == (way == "fused")
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_bench_counts_the_experts_a_step_reads_and_their_load(moe_models):
+    """`inferd bench latency`'s cost model: a step reads the dense weights and k / E of the
+    experts at batch 1, more of them as the batch grows; the expert-load histogram counts k
+    choices per token of each mixture layer."""
+    from inferd.bench.latency import expert_load
+    from inferd.bench.roofline import step_cost
+
+    _, hf_dir, _, prompts, _ = moe_models["qwen2_moe"]
+    llm = _llm(hf_dir, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    moe = model.layers[0].mlp
+    one_expert = sum(p.numel() * 4 for p in moe.experts[0].parameters())
+    cost = step_cost(model, kv_bytes_per_token=0)
+    assert cost.expert_bytes == 8 * one_expert  # one mixture layer of 8 experts
+    assert cost.weight_bytes_read(1) == cost.weight_bytes + 2 * one_expert  # top 2 of 8
+    assert cost.weight_bytes_read(1) < cost.weight_bytes_read(4) < cost.weight_bytes + cost.expert_bytes
+    expert_load(model)  # (zeroed)
+    llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    load = expert_load(model)
+    routed = len(prompts[0]) + NEW_TOKENS - 1  # every prompt token and every decode step's token
+    assert list(load["per_layer"]) == ["0"] and sum(load["per_layer"]["0"]) == 2 * routed
+    assert load["min_share"] <= load["uniform_share"] <= load["max_share"]
