@@ -9,6 +9,7 @@ def add_bench_parser(sub) -> None:
     from inferd.bench.prefix import add_prefix_parser
     from inferd.bench.roofline import add_roofline_parser
     from inferd.bench.serve import add_serve_parser
+    from inferd.bench.soak import add_soak_parser
     from inferd.bench.spec import add_spec_parser
     from inferd.bench.structured import add_structured_parser
 
@@ -21,3 +22,4 @@ def add_bench_parser(sub) -> None:
     add_structured_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_spec_parser(bench_sub)
+    add_soak_parser(bench_sub)

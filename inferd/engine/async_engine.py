@@ -71,6 +71,7 @@ __all__ = [
     "RequestStream",
     "RequestUpdate",
     "StepReport",
+    "StreamOverflowError",
     "ThreadBackend",
 ]
 
@@ -81,6 +82,10 @@ class EngineNotReadyError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting for the engine than `max_queue_len` allows."""
+
+
+class StreamOverflowError(RuntimeError):
+    """A streamed request's client read too slowly: more tokens waited for it than its bound."""
 
 
 class EngineObserver(Protocol):
@@ -195,9 +200,31 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         self.scheduled = False  # set by the loop when the engine first schedules the request
+        # Backpressure: tokens put but not yet taken by the consumer; above the bound the
+        # request is aborted (its KV freed) and `on_overflow` runs (the server drops the client).
+        self.max_buffered_tokens: int | None = None
+        self.on_overflow: Callable[[], None] | None = None
+        self._buffered = 0
+        self._ended = False  # its last update (output or error) is in `_updates`
+        self._deadline: asyncio.TimerHandle | None = None
 
     def _put(self, update: RequestUpdate) -> None:
+        if self._ended:
+            return  # failed here already (deadline, overflow): the engine's late news is moot
         self._updates.append(update)
+        self._ended = update.finished
+        limit = self.max_buffered_tokens
+        if limit is not None and not update.finished:
+            self._buffered += _num_tokens(update)
+            if self._buffered > limit:
+                self.fail(StreamOverflowError(
+                    f"the client read its stream too slowly: more than {limit} tokens waited "
+                    "(--max-stream-buffer-tokens); the request was aborted"))  # fmt: skip
+                self._engine._overflowed(self)
+                return
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -216,17 +243,61 @@ class RequestStream:
             finally:
                 self._waiter = None
         update = updates.popleft()
+        if self.max_buffered_tokens is not None:
+            self._buffered -= _num_tokens(update)
         if update.finished:
             self.finished = True
+            self._disarm()
         if update.error is not None:
             raise update.error
         return update
 
+    def set_deadline(self, seconds: float, error: Callable[[], Exception]) -> None:
+        """Fail the request with `error()` (see `fail`) unless it ends within `seconds`."""
+        self._disarm()
+        # Clamped: an event loop's timer takes no infinity (uvloop counts in integer ms).
+        self._deadline = asyncio.get_running_loop().call_later(
+            min(max(seconds, 0.0), _MAX_DELAY_S), self._expire, error
+        )
+
+    def _expire(self, error: Callable[[], Exception]) -> None:
+        self._deadline = None
+        if not (self.finished or self._ended):
+            self.fail(error())
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
     def close(self) -> None:
         """Abort the request unless it already finished. Idempotent; safe from `finally`."""
+        self._disarm()
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
+
+    def fail(self, error: Exception) -> None:
+        """End the request with `error` (a deadline, an overflow): abort it in the engine (its
+        blocks free before the next step), drop what it buffered, and hand the consumer the
+        error next. No-op once the request ended."""
+        self._disarm()
+        if self.finished or self._ended:
+            return
+        self._engine._forget(self)
+        self._engine._backend.send(AbortRequest(self.request_id))
+        self._updates.clear()
+        self._buffered = 0
+        self._updates.append(RequestUpdate([], time.monotonic(), error=error))
+        self._ended = True
+        self._wake()
+
+
+_MAX_DELAY_S = 1e9  # ~31 years
+
+
+def _num_tokens(update: RequestUpdate) -> int:
+    return sum(len(d.new_token_ids) for d in update.deltas)
 
 
 # ---- the front end ----------------------------------------------------------------------------
@@ -253,18 +324,33 @@ class AsyncEngine:
         engine_process: bool = False,
         bind_cpus: bool = False,
         stream_interval: int = 1,
+        max_stream_buffer_tokens: int | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        if max_stream_buffer_tokens is not None and max_stream_buffer_tokens < 1:
+            raise ValueError(
+                f"max_stream_buffer_tokens must be >= 1, got {max_stream_buffer_tokens}"
+            )
         self.max_queue_len = max_queue_len
+        self.max_stream_buffer_tokens = max_stream_buffer_tokens
         self.observer = observer
-        self._backend: EngineBackend
+        self.engine_process = engine_process
+        self._make_backend: Callable[[], EngineBackend]
         if engine_process:
             from inferd.engine.engine_proc import ProcessBackend
 
-            self._backend = ProcessBackend(engine_factory, bind_cpus, stream_interval)
+            process = ProcessBackend(engine_factory, bind_cpus, stream_interval)
+            self._make_backend = process.fresh
+            self._backend: EngineBackend = process
         else:
-            self._backend = ThreadBackend(engine_factory, stream_interval)
+            self._make_backend = lambda: ThreadBackend(engine_factory, stream_interval)
+            self._backend = self._make_backend()
+        # Hooks for the server's supervisor (all on the event loop): the engine stopped; a
+        # stream overflowed. `num_messages` counts what the engine sent: its heartbeat.
+        self.on_exit: Callable[[str], None] | None = None
+        self.on_stream_overflow: Callable[[RequestStream], None] | None = None
+        self.num_messages = 0
         self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
         self._ready = threading.Event()
@@ -286,6 +372,23 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         self._backend.stop(timeout)
+
+    def restart(self) -> None:
+        """Start a fresh engine after the last one stopped (the supervisor's call, on the event
+        loop). Its requests have already failed (`_on_exit`); `ready` turns true once it loaded."""
+        assert self._loop is not None and self._exited is not None, "the engine is running"
+        self._backend.stop(1.0)  # ends the old one's writer thread and reaps its process
+        self._backend = self._make_backend()
+        self.info = self.load_error = None
+        self._exited = None
+        self._ready.clear()
+        self._num_unscheduled = 0
+        self._backend.start(self._loop, self._on_message)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight or calls pending: the engine owes the front end news."""
+        return bool(self._streams or self._accepting or self._calls)
 
     @property
     def engine(self) -> EngineCore | None:
@@ -353,6 +456,8 @@ class AsyncEngine:
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
         updates = RequestStream(request_id, self)
+        if stream:
+            updates.max_buffered_tokens = self.max_stream_buffer_tokens
         self._streams[request_id] = updates
         self._accepting[request_id] = accepted
         self._num_unscheduled += 1
@@ -391,6 +496,20 @@ class AsyncEngine:
             self._mark_scheduled(stream)
         self._backend.send(AbortRequest(request_id))
 
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            self._mark_scheduled(stream)
+
+    def _overflowed(self, stream: RequestStream) -> None:
+        try:
+            if self.on_stream_overflow is not None:
+                self.on_stream_overflow(stream)
+            if stream.on_overflow is not None:
+                stream.on_overflow()
+        except Exception:  # a hook must never break the engine's delivery
+            logger.exception("stream overflow hook failed")
+
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(engine_core)` on the engine between steps (inspection, invariants). With the
         engine in its own process, `fn` travels by cloudpickle and its result by pickle."""
@@ -418,6 +537,7 @@ class AsyncEngine:
 
     # ---- messages from the engine (asyncio loop) ------------------------------------------
     def _on_message(self, message: Message) -> None:
+        self.num_messages += 1
         if isinstance(message, StepDone):
             self._deliver(message)
         elif isinstance(message, Replies):
@@ -477,6 +597,8 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream._put(RequestUpdate([], time.monotonic(), error=error))
         self._streams.clear()
+        if self.on_exit is not None:
+            self.on_exit(reason)
 
 
 def _settle(future: asyncio.Future | None, result: object, error: BaseException | None) -> None:

@@ -22,6 +22,7 @@ closes, so it never outlives the server.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import multiprocessing
@@ -105,7 +106,7 @@ class FrameReader:
 _OMP_BINDING = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
-def _bind_cpus(process: multiprocessing.process.BaseProcess) -> int | None:
+def _bind_cpus(process: multiprocessing.process.BaseProcess, cpus: list[int]) -> int | None:
     """Start `process` with its OpenMP threads bound one per core from the first, and move this
     process (the HTTP front end) to the last CPU; returns that CPU, or None if nothing was bound.
 
@@ -116,10 +117,12 @@ def _bind_cpus(process: multiprocessing.process.BaseProcess) -> int | None:
     free. With fewer OpenMP threads than CPUs, the last CPU is the front end's alone. The user's
     own OMP_* binding, or a single CPU, leaves everything as it is.
     """
-    cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or any(name in os.environ for name in _OMP_BINDING):
         process.start()
         return None
+    # A restarted engine is spawned by a front end already moved to the last CPU: the child
+    # inherits this thread's mask, so widen it back to every CPU for the spawn.
+    os.sched_setaffinity(0, cpus)
     os.environ.update(OMP_PROC_BIND="close", OMP_PLACES="cores")  # read by the child's libgomp
     try:
         process.start()
@@ -198,6 +201,7 @@ class ProcessBackend:
         # Binding moves this whole process to one CPU: right for `inferd serve`, whose process
         # is the front end; wrong for a library caller (a test suite ran 2x slower after it).
         self._bind = bind_cpus
+        self._cpus = sorted(os.sched_getaffinity(0))  # before this process moves (`_bind_cpus`)
         self._stream_interval = stream_interval
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None  # our ends of the two pipes
@@ -216,7 +220,7 @@ class ProcessBackend:
             name="inferd-engine",
             daemon=True,  # killed with the server if it exits without a shutdown
         )  # fmt: skip
-        front_cpu = _bind_cpus(self._process) if self._bind else self._process.start()
+        front_cpu = _bind_cpus(self._process, self._cpus) if self._bind else self._process.start()
         if front_cpu is not None:
             logger.info("engine threads bound to cores from the first; HTTP front end on CPU %d",
                         front_cpu)  # fmt: skip
@@ -227,6 +231,14 @@ class ProcessBackend:
         os.set_blocking(self._messages.fileno(), False)
         loop.add_reader(self._messages.fileno(), self._read)
         threading.Thread(target=self._write, name="inferd-engine-writer", daemon=True).start()
+
+    def fresh(self) -> ProcessBackend:
+        """A backend like this one, not started: the supervisor's replacement engine."""
+        other = copy.copy(self)  # the factory, binding and CPUs; none of the running state
+        other._process = other._commands = other._messages = None
+        other._reader = FrameReader()
+        other._outbox = queue.SimpleQueue()
+        return other
 
     def send(self, command: Command) -> None:
         self._outbox.put(command)
@@ -245,24 +257,41 @@ class ProcessBackend:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
 
+    def _exit_status(self) -> str:
+        """' (killed by SIGKILL)', ' (exit code 1)', or '' while it is still exiting."""
+        assert self._process is not None
+        self._process.join(0.5)  # its pipe closed: it is exiting, if not gone already
+        code = self._process.exitcode
+        if code is None:
+            return ""
+        if code < 0:
+            try:
+                return f" (killed by {signal.Signals(-code).name})"
+            except ValueError:
+                return f" (killed by signal {-code})"
+        return f" (exit code {code})"
+
     def _write(self) -> None:
         """Send commands in order, off the event loop: a long prompt may not fit the pipe's
         buffer while the engine is busy in a step, and the loop must not wait for that."""
         assert self._commands is not None
         fd = self._commands.fileno()
-        while True:
-            command = self._outbox.get()
-            try:
-                blob = cloudpickle.dumps(command)
-            except Exception as e:  # noqa: BLE001 — the command's own problem: answer its caller
-                self._loop.call_soon_threadsafe(self._on_message, _refusal(command, e))
-                continue
-            try:
-                write_frame(fd, blob)
-            except OSError:
-                return  # the engine process is gone; the reader reports it
-            if command is _STOP:
-                return
+        try:
+            while True:
+                command = self._outbox.get()
+                try:
+                    blob = cloudpickle.dumps(command)
+                except Exception as e:  # noqa: BLE001 — the command's own problem: answer its caller
+                    self._loop.call_soon_threadsafe(self._on_message, _refusal(command, e))
+                    continue
+                try:
+                    write_frame(fd, blob)
+                except OSError:
+                    return  # the engine process is gone; the reader reports it
+                if command is _STOP:
+                    return
+        finally:
+            self._commands.close()  # here, not elsewhere: no other pipe may reuse the fd meanwhile
 
     def _read(self) -> None:
         """On the event loop, whenever the pipe is readable: hand over every whole message."""
@@ -277,7 +306,8 @@ class ProcessBackend:
                 data = b""
             if not data:  # the engine process exited (or crashed)
                 self._loop.remove_reader(fd)
-                self._on_message(Exited("the engine process stopped"))
+                self._messages.close()
+                self._on_message(Exited(f"the engine process stopped{self._exit_status()}"))
                 return
             for frame in self._reader.feed(data):
                 message = pickle.loads(frame)

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 import inferd
 from inferd.engine.async_engine import AsyncEngine
+from inferd.server.debug import install_debug_routes
 from inferd.server.errors import APIError, api_errors, error_response, install_error_handlers
 from inferd.server.http_timeouts import BodyTimeoutMiddleware
 from inferd.server.limits import AdmissionLimits
@@ -35,6 +36,7 @@ from inferd.server.protocol import (
 from inferd.server.serving_chat import create_chat_completion, render_chat
 from inferd.server.serving_common import ServerState, encode, model_loading_error
 from inferd.server.serving_completions import create_completion
+from inferd.server.supervisor import EngineSupervisor, SupervisionConfig
 
 logger = logging.getLogger("inferd.server")
 
@@ -55,6 +57,8 @@ def build_app(
     body_timeout: float = 30.0,
     prefix_cache_isolation: str = "none",
     allow_control_tokens_in_content: bool = False,
+    supervision: SupervisionConfig | None = None,
+    enable_debug_endpoints: bool = False,
 ) -> FastAPI:
     """An app serving `engine` (not started yet: the app's lifespan starts and stops it).
 
@@ -62,6 +66,8 @@ def build_app(
     `tool_call_parser`: how tool calls are read from outputs (a name in TOOL_PARSERS, or "auto").
     `limits`: admission limits (limits.py); `body_timeout`: seconds to read a body (408 after);
     `prefix_cache_isolation` (privacy.py), `allow_control_tokens_in_content` (control_tokens.py).
+    `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
+    defaults); `enable_debug_endpoints`: /debug/* (debug.py).
     """
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
     engine.observer = metrics
@@ -70,6 +76,9 @@ def build_app(
         limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
         allow_control_tokens_in_content=allow_control_tokens_in_content,
     )  # fmt: skip
+    state.supervisor = EngineSupervisor(
+        engine, supervision or SupervisionConfig(), metrics.registry, served_model_names[0]
+    )
     # Set once the startup line is logged: /health says 200 only then, so whatever waits for it
     # (a supervisor, a test) finds the line (on uvloop the health request could run first).
     started = threading.Event()
@@ -79,6 +88,8 @@ def build_app(
         import asyncio
 
         engine.start()
+        assert state.supervisor is not None
+        state.supervisor.start()
 
         async def announce() -> None:
             try:
@@ -95,6 +106,7 @@ def build_app(
             yield
         finally:
             task.cancel()
+            state.supervisor.close()
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
     app = FastAPI(
@@ -112,6 +124,8 @@ def build_app(
         if state.limits.admin_api_key:
             keys.append(state.limits.admin_api_key)
         app.add_middleware(APIKeyMiddleware, api_key=keys)  # outermost: refuse before reading
+    if enable_debug_endpoints:
+        install_debug_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     @api_errors
@@ -142,6 +156,8 @@ def build_app(
     @app.get("/health", response_model=None)
     @api_errors
     async def health() -> Response:
+        if (err := state.supervisor.health_error()) is not None:  # type: ignore[union-attr]
+            return error_response(err)
         if engine.ready and started.is_set():
             return Response(status_code=200)
         if engine.ready:

@@ -10,6 +10,7 @@ from inferd.engine_args import add_engine_args, engine_config_from_args, parse_b
 from inferd.server.http_timeouts import add_timeout_args, uvicorn_options
 from inferd.server.limits import add_limit_args, limits_from_args
 from inferd.server.privacy import PREFIX_CACHE_ISOLATION
+from inferd.server.supervisor import add_supervision_args, supervision_config
 from inferd.structured.tool_parsers import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger("inferd.server")
@@ -101,6 +102,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
     )
+    add_supervision_args(g)
     g.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_timeout_args(p)
@@ -130,9 +132,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.core import EngineCore
     from inferd.server.app import build_app
+    from inferd.server.stream_guards import with_transport_in_scope
 
     limits = limits_from_args(args)  # validated here, before the port opens
     config = engine_config_from_args(args)  # validated here, before the port opens
+    supervision = supervision_config(args)
     template = None
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -173,6 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         bind_cpus=args.engine_process,  # this process only serves HTTP: it may move
         stream_interval=args.stream_interval,
+        max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
     )
     app = build_app(
         engine,
@@ -187,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         prefix_cache_isolation=args.prefix_cache_isolation,
         allow_control_tokens_in_content=args.allow_control_tokens_in_content,
+        supervision=supervision,
+        enable_debug_endpoints=args.enable_debug_endpoints,
     )
     logger.info("starting the server on %s; loading the model", url)
     uvicorn.run(
@@ -195,6 +202,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,
-        **uvicorn_options(args),
+        **with_transport_in_scope(uvicorn_options(args)),
     )
     return 0

@@ -22,6 +22,7 @@ from inferd.engine.async_engine import (
     EngineNotReadyError,
     EngineStepError,
     QueueFullError,
+    StreamOverflowError,
 )
 from inferd.engine.core import RequestError
 from inferd.loader.tokenizer import ChatTemplateError
@@ -131,6 +132,8 @@ def to_api_error(
         return APIError(503, str(exc), code="model_loading")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, StreamOverflowError):
+        return APIError(503, str(exc), code="stream_overflow")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ChatTemplateError):

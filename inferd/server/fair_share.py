@@ -29,6 +29,18 @@ class WindowedStream:
         self._stream = stream
         self._holds = stream is not None  # an already-open stream took its room at submission
         self.finished = False
+        self._on_overflow: Callable[[], None] | None = None
+
+    @property
+    def on_overflow(self) -> Callable[[], None] | None:
+        """The stream's backpressure hook (stream_guards.py), passed on to it once it opens."""
+        return self._on_overflow
+
+    @on_overflow.setter
+    def on_overflow(self, hook: Callable[[], None] | None) -> None:
+        self._on_overflow = hook
+        if self._stream is not None:
+            self._stream.on_overflow = hook
 
     def __aiter__(self) -> WindowedStream:
         return self
@@ -45,6 +57,7 @@ class WindowedStream:
             try:
                 assert self._open is not None
                 self._stream = await self._open()
+                self._stream.on_overflow = self._on_overflow
             except BaseException:
                 self.close()
                 raise

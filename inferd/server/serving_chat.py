@@ -238,6 +238,7 @@ async def create_chat_completion(
         req.priority,
         [state.tokenizer.decode(ids, skip_special_tokens=False)],
         stream=bool(req.stream),
+        timeout=req.timeout,
     )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from fastapi import Request
@@ -25,8 +25,12 @@ from inferd.server.limits import AdmissionLimits, check_queue, check_request
 from inferd.server.metrics import ServerMetrics
 from inferd.server.privacy import bearer_token, cache_salt, shown_prompt
 from inferd.server.protocol import _SamplingFields
+from inferd.server.stream_guards import Deadline, check_timeout, drop_client_on_overflow
 from inferd.structured import StructuredOutputsParams
 from inferd.structured.tool_parsers import ToolParser, tool_parser
+
+if TYPE_CHECKING:
+    from inferd.server.supervisor import EngineSupervisor
 
 logger = logging.getLogger("inferd.server")
 
@@ -52,6 +56,7 @@ class ServerState:
     prefix_cache_isolation: str = "none"  # privacy.py
     allow_control_tokens_in_content: bool = False  # control_tokens.py
     created: int = field(default_factory=lambda: int(time.time()))
+    supervisor: EngineSupervisor | None = None  # restarts, heartbeat (supervisor.py)
 
     @property
     def model_name(self) -> str:
@@ -72,6 +77,8 @@ class ServerState:
     def ready_engine(self) -> AsyncEngine:
         """The engine, or 503 while the model loads (or after it failed)."""
         if not self.engine.ready:
+            if self.supervisor is not None and (err := self.supervisor.request_error()):
+                raise err
             if self.engine.load_error is not None:
                 raise APIError(
                     503, f"the model failed to load: {self.engine.load_error}", code="engine_dead"
@@ -247,18 +254,25 @@ async def add_requests(
     priority: int,
     texts: list[str] | None = None,
     stream: bool = True,
+    timeout: float | None = None,
 ) -> list[RequestStream]:
     """Submit one engine request per prompt; all or none (a refusal aborts the ones accepted).
 
     `texts`: the prompts as the user wrote them, for the request log (ids are logged otherwise).
     `stream=False`: the response is built from the final outputs only.
+    `timeout`: seconds from now until the requests are aborted with a 408 (stream_guards.py).
     """
+    check_timeout(timeout)
     engine = state.ready_engine()
+    counter = state.supervisor.request_timeouts_total.inc if state.supervisor else None
+    deadline = Deadline(timeout, counter)
 
     async def submit(i: int) -> RequestStream:
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         state.log_request(rid, texts[i] if texts else prompts[i], params)
-        return await engine.add_request(rid, prompts[i], params, priority, stream)
+        accepted = await engine.add_request(rid, prompts[i], params, priority, stream)
+        deadline.arm(accepted)
+        return accepted
 
     # The first window now (all or none); the rest as earlier ones end (fair_share.py).
     window = state.limits.max_concurrent_prompts
@@ -290,16 +304,19 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         finally:
             streams[0].close()
         return
-    queue: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue()
+    # Bounded: a client that reads slowly leaves the updates in the streams, which bound them.
+    queue: asyncio.Queue[tuple[int, RequestUpdate | BaseException | None]] = asyncio.Queue(
+        len(streams)
+    )
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for update in stream:
-                queue.put_nowait((i, update))
+                await queue.put((i, update))
         except Exception as e:  # noqa: BLE001 — re-raised by the consumer below
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
             return
-        queue.put_nowait((i, None))
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -365,6 +382,7 @@ class EngineStreamingResponse(StreamingResponse):
         self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        drop_client_on_overflow(scope, self._streams)
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -104,7 +104,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     created = now_s()
     texts = [req.prompt] if isinstance(req.prompt, str) else None
     streams = await add_requests(
-        state, request_id, prompts, params, req.priority, texts, stream=bool(req.stream)
+        state, request_id, prompts, params, req.priority, texts, stream=bool(req.stream),
+        timeout=req.timeout,
     )
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
     if req.stream:

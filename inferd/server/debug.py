@@ -1,0 +1,44 @@
+"""Debug endpoints (`--enable-debug-endpoints`): checks for tests and soaks, never for the open
+internet (the leak check flushes the prefix cache).
+
+POST /debug/check_no_leaks runs the engine's KV integrity check between steps when it is idle:
+every block free or held by the prefix cache alone, and a flush of the cache empties the pool.
+200 `{"ok": true, ...}` when it holds; 409 `engine_busy` while requests run; 500 `kv_leak` when
+it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from inferd.engine.core import EngineCore
+from inferd.server.errors import APIError, api_errors
+from inferd.server.serving_common import ServerState
+
+
+def _check(core: EngineCore) -> dict[str, Any]:
+    """In the engine, between steps."""
+    if core.has_unfinished_requests():
+        return {"idle": False}
+    try:
+        core.check_no_leaks()
+    except AssertionError as e:
+        return {"idle": True, "ok": False, "error": str(e) or "integrity check failed"}
+    pool = core.kv.pool
+    return {"idle": True, "ok": True, "num_total_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free}  # fmt: skip
+
+
+def install_debug_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/debug/check_no_leaks")
+    @api_errors
+    async def check_no_leaks() -> dict[str, Any]:
+        result = await state.ready_engine().call(_check)
+        if not result.pop("idle"):
+            raise APIError(409, "requests are running; retry when the engine is idle",
+                           code="engine_busy")  # fmt: skip
+        if not result["ok"]:
+            raise APIError(500, f"KV integrity check failed: {result['error']}", code="kv_leak")
+        return result
