@@ -36,6 +36,7 @@ from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler, TokenLogprob
 from inferd.scheduler.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from inferd.scheduler.sequence import Logprob, Sequence
+from inferd.scheduler.step_budget import step_shape
 from inferd.scheduler.stop import StopCriteria
 from inferd.spec.decoder import NoSpecDecoder, SpecDecoder
 from inferd.spec.proposer import ProposerContext
@@ -108,7 +109,8 @@ class EngineCore:
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len))
+        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
+                                   clock=lambda: self.clock())  # fmt: skip
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
                                 dtype=self.dtype, device=self.device,
@@ -287,10 +289,12 @@ class EngineCore:
         """One ragged batch: propose → schedule → execute → sample/verify → update → outputs.
         Returns the text and token deltas of every sequence that got tokens."""
         self.spec.propose(self.scheduler.running)
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             self._refresh_stats()
             return []
+        shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on
         self.spec.begin_step(out)
         masks = self._grammar_masks(out)
         logits, _, batch = self.runner.execute(out, all_hidden=self.spec.needs_hidden)
@@ -299,6 +303,8 @@ class EngineCore:
         finished = self.scheduler.update_from_output(out, sampled)
         self.spec.observe(out, sampled, batch)
         deltas = self._outputs(sampled, finished)
+        # The step as its streams feel it, scheduling to outputs: what the latency budget bounds.
+        self.scheduler.budget.record(shape, time.perf_counter() - start)
         self._refresh_stats()
         self.stats_logger.maybe_log(self.stats)
         return deltas
