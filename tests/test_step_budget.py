@@ -151,3 +151,55 @@ def test_learned_cost_recovers_the_coefficients_and_skips_outliers() -> None:
     for d, p, y in ((1, 0, 0.010), (2, 0, 0.009), (1, 64, 0.012), (2, 64, 0.008), (4, 0, 0.007)):
         noisy.record(StepShape(d, p, 0.0), y)
     assert min(noisy.coefficients()) >= 0.0
+
+
+# ---- the real engine ------------------------------------------------------------------------
+
+
+def _run_arrivals(engine, tag: str) -> list[list[int]]:
+    """One stream decoding while two long prompts arrive, on the default model, greedy: every
+    request's tokens."""
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    texts = ["The quick brown fox", "Once upon a time, in a land far away, " * 6,
+             "Write a short poem about the sea and the sky and the wind, " * 5]  # fmt: skip
+    engine.add_request(tag + "a", texts[0], params)
+    decoded = engine.scheduler.num_generation_tokens
+    while engine.scheduler.num_generation_tokens < decoded + 2:  # "a" is decoding when the others arrive
+        engine.step()
+    for rid, text in zip("bc", texts[1:]):
+        assert len(tok.encode(text)) > 40  # several blocks: chunked when capped
+        engine.add_request(tag + rid, text, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.pop_finished(tag + rid).outputs[0].token_ids for rid in "abc"]
+
+
+def test_capping_changes_chunking_never_outputs() -> None:
+    import torch
+
+    from tests.real_model import make_llm
+
+    # One thread: two OpenMP threads on a machine shared with other jobs can spin for seconds
+    # per step (outputs are the same for any thread count).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _same_outputs_capped_and_not(make_llm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _same_outputs_capped_and_not(make_llm) -> None:
+    # No prefix cache: the second run computes every prompt afresh, as the first did.
+    engine = make_llm(enable_prefix_caching=False).engine
+    budget = engine.scheduler.budget
+    # Prefill priced so high that each step next to a decode takes one block (16 tokens) only.
+    budget.cost = FixedStepCost(fixed=0.005, per_decode=0.001, per_prefill=1.0)
+    capped = _run_arrivals(engine, "capped-")
+    num_capped = budget.num_capped_steps
+    budget.factor = math.inf  # the same engine, uncapped: whole prompts next to the decode
+    uncapped = _run_arrivals(engine, "uncapped-")
+    assert num_capped > 0 and budget.num_capped_steps == num_capped
+    assert capped == uncapped
+    assert all(len(t) == 8 for t in capped)
