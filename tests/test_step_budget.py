@@ -87,7 +87,11 @@ def test_attention_term_prices_late_chunks_higher() -> None:
     assert first[0] > later[0] >= 4
     for n, start in ((first[0], 0), (later[0], 300)):  # each the most that fits the room
         room = 0.5 * cost.seconds(StepShape(4, 0, 0.0))
-        assert cost.prefill_seconds(start, n) <= room + 1e-12 < cost.prefill_seconds(start, n + 1) + 1e-9
+        assert (
+            cost.prefill_seconds(start, n)
+            <= room + 1e-12
+            < cost.prefill_seconds(start, n + 1) + 1e-9
+        )
 
 
 def test_without_decodes_a_prompt_takes_the_full_chunk() -> None:
@@ -138,7 +142,12 @@ def test_an_unfitted_model_caps_nothing_and_inf_switches_the_cap_off() -> None:
 def test_learned_cost_recovers_the_coefficients_and_skips_outliers() -> None:
     true = (0.004, 0.0008, 0.0006, 0.0002)
     model = LearnedStepCost(min_samples=16)
-    shapes = [StepShape(d, p, a) for d in (1, 4, 8, 16, 32) for p in (0, 16, 128) for a in (0.0, 2048.0, 8192.0)]
+    shapes = [
+        StepShape(d, p, a)
+        for d in (1, 4, 8, 16, 32)
+        for p in (0, 16, 128)
+        for a in (0.0, 2048.0, 8192.0)
+    ]
     assert model.coefficients() is None
     for shape in shapes * 2:
         model.record(shape, sum(c * x for c, x in zip(true, shape.features())))
@@ -165,7 +174,7 @@ def _run_arrivals(engine, tag: str) -> list[list[int]]:
              "Write a short poem about the sea and the sky and the wind, " * 5]  # fmt: skip
     engine.add_request(tag + "a", texts[0], params)
     decoded = engine.scheduler.num_generation_tokens
-    while engine.scheduler.num_generation_tokens < decoded + 2:  # "a" is decoding when the others arrive
+    while engine.scheduler.num_generation_tokens < decoded + 2:  # "a" decodes when the others come
         engine.step()
     for rid, text in zip("bc", texts[1:]):
         assert len(tok.encode(text)) > 40  # several blocks: chunked when capped

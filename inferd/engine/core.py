@@ -432,6 +432,11 @@ class EngineCore:
         s.prefix_cache_queries_total = sched.prefix_queries_tokens
         s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
+        budget = sched.budget
+        s.step_budget_capped_steps_total = budget.num_capped_steps
+        s.step_budget_ttft_rescues_total = budget.num_slo_rescues
+        cost = budget.cost.coefficients()
+        s.step_cost_ms = () if cost is None else tuple(1000 * c for c in cost)
 
     def get_stats(self) -> EngineStats:
         self._refresh_stats()

@@ -102,7 +102,9 @@ class StepBudget:
             return
         self._granted_min = True
         if self._room is not None:
-            self._room = max(0.0, self._room - self.cost.prefill_seconds(seq.num_computed_tokens, n))
+            self._room = max(
+                0.0, self._room - self.cost.prefill_seconds(seq.num_computed_tokens, n)
+            )
 
     def _ttft_at_risk(self, seq: Sequence, n: int) -> bool:
         """Whether `seq`'s first token would miss the TTFT target if its prompt went on at `n`

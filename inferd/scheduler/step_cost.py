@@ -39,7 +39,12 @@ class StepShape:
     attention_pairs: float = 0.0
 
     def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.decode_rows), float(self.prefill_tokens), self.attention_pairs / 1024)
+        return (
+            1.0,
+            float(self.decode_rows),
+            float(self.prefill_tokens),
+            self.attention_pairs / 1024,
+        )
 
 
 class StepCost:
@@ -84,7 +89,9 @@ class StepCost:
 class FixedStepCost(StepCost):
     """Given coefficients (seconds): fixed, per decode row, per prefill token, per 1024 pairs."""
 
-    def __init__(self, fixed: float, per_decode: float, per_prefill: float, per_attention: float = 0.0) -> None:
+    def __init__(
+        self, fixed: float, per_decode: float, per_prefill: float, per_attention: float = 0.0
+    ) -> None:
         self._c = (fixed, per_decode, per_prefill, per_attention)
 
     def coefficients(self) -> tuple[float, float, float, float]:
