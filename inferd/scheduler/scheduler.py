@@ -3,7 +3,9 @@
 Each step: running decodes first (one token each, or 1 + k when verifying k speculative draft
 tokens; so a long prompt never starves them), then
 running partial prefills, then waiting sequences by (priority, arrival). A prefill takes at most
-what is left of the budget (chunked prefill). When the KV pool is full the lowest-priority running
+what is left of the budget (chunked prefill), and next to decodes at most what the step's latency
+budget allows (inferd.scheduler.step_budget: a step's predicted cost within a factor of the same
+step without prefill). When the KV pool is full the lowest-priority running
 sequence is preempted: its blocks are freed and it is recomputed later (prompt + what it generated),
 which yields the same output as if it had never stopped.
 """
