@@ -155,6 +155,12 @@ def test_learned_cost_recovers_the_coefficients_and_skips_outliers() -> None:
     model.record(StepShape(8, 0, 0.0), 1.0)  # a step that lost the CPU: left out
     assert model.num_outliers == 1
     assert model.coefficients() == pytest.approx(true, rel=1e-4)
+    model.record(shapes[0], sum(c * x for c, x in zip(true, shapes[0].features())))  # ends the run
+    # A machine that stays 4x slower is not an outlier: after a run of them the model follows.
+    for shape in shapes * 8:
+        model.record(shape, 4 * sum(c * x for c, x in zip(true, shape.features())))
+    assert model.num_outliers <= 1 + 2 * model.max_outliers  # a run or two of them, then none
+    assert model.coefficients() == pytest.approx([4 * c for c in true], rel=0.05)
     # Never a negative price, whatever the data: a token that "saves" time would be free to add.
     noisy = LearnedStepCost(min_samples=4)
     for d, p, y in ((1, 0, 0.010), (2, 0, 0.009), (1, 64, 0.012), (2, 64, 0.008), (4, 0, 0.007)):

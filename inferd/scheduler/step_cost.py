@@ -12,7 +12,9 @@ Fitted by least squares with forgetting (the last ~`memory` steps weigh the most
 speed moves, other processes come and go), with every coefficient kept >= 0 (a negative
 per-token cost would let the step budget grant unlimited tokens), and a step that took more than
 `outlier` times its prediction is left out once the model is fitted (a step that lost the CPU to
-another process says nothing about what the tokens cost).
+another process says nothing about what the tokens cost), unless `max_outliers` in a row were:
+then the machine itself has slowed, the past is mostly forgotten (weighed 1/16) and the run of
+slow steps taken in.
 
 `FixedStepCost` is a model whose coefficients are given: the tests' and anyone who measured once.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 _FEATURES = 4  # fixed, decode rows, prefill tokens, query-key pairs / 1024
 _RIDGE = 1e-9  # keeps the normal equations solvable before the features have varied
+_FORGET_ON_SHIFT = 1 / 16  # weight of the past once a run of slow steps shows the machine slowed
 
 
 def attention_pairs(start: int, n: int) -> float:
@@ -104,7 +107,9 @@ class LearnedStepCost(StepCost):
     prices cannot be told from the fixed part)."""
 
     def __init__(self, memory: int = 256, min_samples: int = 16, outlier: float = 3.0,
-                 refit_every: int = 8) -> None:  # fmt: skip
+                 max_outliers: int = 8, refit_every: int = 8) -> None:  # fmt: skip
+        self.max_outliers = max_outliers
+        self._slow_run: list[tuple[tuple[float, ...], float]] = []  # outliers in a row: (x, y)
         self.refit_every = refit_every
         self._since_fit = 0
         self.decay = 1.0 - 1.0 / memory
@@ -128,26 +133,41 @@ class LearnedStepCost(StepCost):
     def record(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0 or (shape.decode_rows == 0 and shape.prefill_tokens == 0):
             return
+        shifted = False
         if self.fitted:
             predicted = self.seconds(shape)
             if predicted is not None and predicted > 0 and seconds > self.outlier * predicted:
                 self.num_outliers += 1
-                return
-        x = shape.features()
-        d = self.decay
-        for i in range(_FEATURES):
-            row = self._gram[i]
-            for j in range(_FEATURES):
-                row[j] = d * row[j] + x[i] * x[j]
-            self._moment[i] = d * self._moment[i] + x[i] * seconds
+                self._slow_run.append((shape.features(), seconds))
+                if len(self._slow_run) < self.max_outliers:
+                    return
+                # The machine has slowed: forget most of the past, take the slow run in.
+                self._add(self._slow_run[:-1], decay=_FORGET_ON_SHIFT)
+                shifted = True
+        self._add([(shape.features(), seconds)], decay=self.decay)
+        self._slow_run = []
         self.num_samples += 1
         if shape.prefill_tokens:
             self.num_with_prefill += 1
         else:
             self.num_without_prefill += 1
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or not self.fitted:
+        if shifted or self._since_fit >= self.refit_every or not self.fitted:
             self._fresh = False
+
+    def _add(self, samples: list[tuple[tuple[float, ...], float]], decay: float) -> None:
+        """Scale the sums by `decay`, then add `samples` (each decayed by the ones after it)."""
+        for i in range(_FEATURES):
+            self._moment[i] *= decay
+            for j in range(_FEATURES):
+                self._gram[i][j] *= decay
+        for n, (x, y) in enumerate(samples):
+            d = 1.0 if n == 0 else self.decay
+            for i in range(_FEATURES):
+                row = self._gram[i]
+                for j in range(_FEATURES):
+                    row[j] = d * row[j] + x[i] * x[j]
+                self._moment[i] = d * self._moment[i] + x[i] * y
 
     def coefficients(self) -> tuple[float, float, float, float] | None:
         if not self.fitted:
