@@ -235,6 +235,14 @@ class SchedulerConfig:
     # carries one chunk, so inter-token latency stays even while prompts keep arriving.
     # 0: no cap (only max_num_batched_tokens).
     prefill_chunk_with_decodes: int = 128
+    # While decodes run, a step takes only the prefill tokens that keep its predicted cost within
+    # this many times the cost of the same step without them (inferd/scheduler/step_budget.py;
+    # costs from a per-token model fitted to the engine's own step times). Each step still gives
+    # a waiting prompt at least one KV block. inf: no such cap.
+    max_step_latency_factor: float = 1.5
+    # Milliseconds: a prompt whose first token would come later than this at the capped pace takes
+    # its chunk uncapped. None: no target.
+    ttft_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -249,6 +257,10 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1")
         if self.prefill_chunk_with_decodes < 0:
             raise ValueError(f"--prefill-chunk-with-decodes must be >= 0, got {self.prefill_chunk_with_decodes}")
+        if not self.max_step_latency_factor >= 1.0:  # also refuses NaN
+            raise ValueError(f"--max-step-latency-factor must be >= 1, got {self.max_step_latency_factor}")
+        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
+            raise ValueError(f"--ttft-slo-ms must be > 0, got {self.ttft_slo_ms}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")

@@ -136,6 +136,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--prefill-chunk-with-decodes", "while decodes run, a step adds at most max(N, number of "
         "decodes) prefill tokens, so streams keep flowing while prompts arrive; 0: no cap"
         + shown, type=int)
+    add("--max-step-latency-factor", "while decodes run, a step takes only the prompt tokens that "
+        "keep its predicted cost within this many pure decode steps (costs learnt from the "
+        "engine's own step times; at least one KV block per step while prompts wait); inf: no "
+        "cap" + shown, type=float)
+    add("--ttft-slo-ms", "time-to-first-token target: a prompt that would miss it at the capped "
+        "pace takes its chunk uncapped (default: none)", type=float)
     add("--enable-prefix-caching", "reuse the KV blocks of a shared prompt prefix" + shown,
         action=argparse.BooleanOptionalAction)
     add("--disable-hybrid-kv-cache-manager", "keep every token's KV in sliding-window layers too "

@@ -59,9 +59,11 @@ def test_each_engine_is_charged_the_bytes_it_reads(tiny_models, name, quantizati
                  verbose=False).engine  # fmt: skip
     fp32 = LLM(str(model.path), quantization="none", kv_cache_memory=4 << 20, verbose=False).engine
     cost = engine_step_cost(engine)
-    costs = engine_costs(engine, cost, model.path)
+    costs = engine_costs(engine, cost, model.path, openvino_gguf=model.path)
     assert costs["inferd"] == cost
-    assert costs["llama.cpp"].weight_bytes == cost.weight_bytes == gguf_step_bytes(model.path)
+    assert costs["llama.cpp"].weight_bytes == cost.weight_bytes == gguf_step_bytes(model.path)[0]
+    assert costs["openvino"].weight_bytes == cost.weight_bytes  # the same file's tensors, int8 KV
+    assert costs["openvino"].kv_bytes_per_token * 4 == costs["hf"].kv_bytes_per_token
     assert costs["hf"].weight_bytes == engine_step_cost(fp32).weight_bytes
     assert costs["hf"].kv_bytes_per_token == cost.kv_bytes_per_token
     assert costs["llama.cpp"].kv_bytes_per_token * 2 == cost.kv_bytes_per_token

@@ -45,6 +45,7 @@ def test_sweep_against_inferd_serve(server: RemoteServer, tmp_path, capsys) -> N
         assert p["output_tps"] > 0 and p["total_tps"] > p["output_tps"] and p["requests_per_s"] > 0
         # A 600 s TTFT SLO: every request meets it, however loaded the machine.
         assert p["goodput_rps"] == pytest.approx(p["requests_per_s"])
+        assert p["slo_met"] == 8 and p["goodput_share"] == 1.0
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             s = p[key]
             assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
@@ -65,6 +66,33 @@ def test_runs_with_another_seed_send_other_prompts(server: RemoteServer, capsys)
     # The same seed again is the same prompts: now they hit.
     assert main(argv) == 0
     assert _prefix_hits(server) > hits0
+
+
+def test_goodput_counts_the_requests_that_meet_every_target() -> None:
+    """Goodput from known timings: per second and as a share of every request sent; a failed
+    request meets nothing, a one-token request is judged on its TTFT alone."""
+    import argparse
+
+    from inferd.bench.serve import RequestResult, _summarize
+
+    def done(ttft: float, e2e: float, tokens: int) -> RequestResult:
+        return RequestResult(ok=True, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens, prompt_tokens=4)
+
+    results = [
+        done(0.1, 1.1, 11),  # TPOT 0.1 s: meets both
+        done(0.3, 1.3, 11),  # TTFT too late
+        done(0.1, 2.1, 11),  # TPOT 0.2 s: too slow
+        done(0.1, 0.1, 1),  # one token: no TPOT, TTFT meets
+        RequestResult(ok=False, error="HTTP 500"),
+    ]
+    args = argparse.Namespace(slo_ttft_ms=200.0, slo_tpot_ms=150.0, request_rate=float("inf"))
+    p = _summarize(args, 4, results, secs=2.0)
+    assert p["slo_met"] == 2 and p["goodput_rps"] == 1.0 and p["goodput_share"] == 2 / 5
+    assert p["completed"] == 4 and p["failed"] == 1
+    assert p["goodput_rps"] <= p["requests_per_s"]
+    none = _summarize(argparse.Namespace(slo_ttft_ms=None, slo_tpot_ms=None,
+                                         request_rate=float("inf")), 4, results, secs=2.0)  # fmt: skip
+    assert none["slo_met"] is None and none["goodput_rps"] is None and none["goodput_share"] is None
 
 
 def test_wrong_base_url_is_a_clear_error(capsys) -> None:

@@ -80,6 +80,7 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
             "--kv-cache-dtype", "int8", "--kv-cache-prefault", "0", "--gpu-memory-utilization",
             "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "512", "--max-model-len",
             "300", "--long-prefill-token-threshold", "64", "--prefill-chunk-with-decodes", "0",
+            "--max-step-latency-factor", "2", "--ttft-slo-ms", "500",
             "--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager",
             "--structured-output-timeout", "2.5",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
@@ -90,6 +91,7 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
         seed=5, block_size=32, kv_cache_memory=64 << 20, kv_cache_dtype="int8", kv_cache_prefault=0,
         gpu_memory_utilization=0.5, max_num_seqs=7, max_num_batched_tokens=512, max_model_len=300,
         long_prefill_token_threshold=64, prefill_chunk_with_decodes=0, enable_prefix_caching=False,
+        max_step_latency_factor=2.0, ttft_slo_ms=500.0,
         disable_hybrid_kv_cache_manager=True, structured_output_timeout=2.5,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
     )  # fmt: skip

@@ -37,7 +37,8 @@ def add_model_args(p: argparse.ArgumentParser, peers: bool = True) -> None:
     add_threads_arg(p)
     if peers:
         p.add_argument("--peers", default="hf,llama.cpp",
-                       help="comma list: hf, llama.cpp (skipped with a note when not installed), none")  # fmt: skip
+                       help="comma list: hf, llama.cpp, openvino (each skipped with a note when not "
+                            "installed), none")  # fmt: skip
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

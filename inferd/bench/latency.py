@@ -89,10 +89,13 @@ def ceiling_line(name: str, r: dict, roof: Roofline) -> str:
             "step")  # fmt: skip
 
 
-def engine_costs(engine, cost: StepCost, llama_gguf: Path | None) -> dict[str, StepCost]:
+def engine_costs(engine, cost: StepCost, llama_gguf: Path | None,
+                 openvino_gguf: Path | None = None) -> dict[str, StepCost]:  # fmt: skip
     """What each engine reads per step. inferd: `cost` (its weights as stored, its KV dtype). HF:
     the model dequantised to fp32, fp32 KV. llama.cpp: its GGUF copy's tensors, fp16 KV (its
-    default). The FLOPs are the model's, the same for all."""
+    default). OpenVINO: an estimate, the GGUF's tensors and one byte per KV element (it converts
+    the weights at load, and its CPU plugin keeps an int8 KV cache by default). The FLOPs are the
+    model's, the same for all."""
     cfg = engine.model_config
     hf = step_cost(engine.runner.model, cfg.kv_bytes_per_token(torch.float32), bytes_per_weight=4)
     costs = {"inferd": cost, "hf": hf}
@@ -100,6 +103,10 @@ def engine_costs(engine, cost: StepCost, llama_gguf: Path | None) -> dict[str, S
         kv_f16 = cfg.kv_bytes_per_token(torch.float16)
         dense, experts = gguf_step_bytes(llama_gguf)
         costs["llama.cpp"] = replace(cost, weight_bytes=dense, expert_bytes=experts, kv_bytes_per_token=kv_f16)
+    if openvino_gguf is not None:
+        dense, experts = gguf_step_bytes(openvino_gguf)
+        kv_i8 = cfg.kv_bytes_per_token(torch.int8)
+        costs["openvino"] = replace(cost, weight_bytes=dense, expert_bytes=experts, kv_bytes_per_token=kv_i8)
     return costs
 
 
@@ -213,6 +220,20 @@ def run_latency(args: argparse.Namespace) -> dict:
             notes.append(
                 f"llama.cpp runs {llama.path.name} ({ftype if ftype != 'same' else 'as shipped'})"
             )
+    ov = None
+    if "openvino" in wanted:
+        from inferd.bench.openvino_peer import OPENVINO_MISSING, OpenVinoPeer, openvino_available
+
+        if not openvino_available():
+            notes.append(OPENVINO_MISSING)
+        elif path.suffix != ".gguf":
+            notes.append("openvino peer skipped: the model is not a GGUF file")
+        else:
+            ov = OpenVinoPeer(path, max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in))
+            ov.generate_timed(prompts[:1], 4)  # warm-up (its first step compiles)
+            runs["openvino"] = []
+            notes.append(f"openvino runs {path.name} (converted at load; its CPU plugin's own "
+                         "precisions), prefix caching off")  # fmt: skip
     for note in notes:
         print(note, file=sys.stderr)
     expert_load(engine.runner.model)  # (counted from here: the timed runs only)
@@ -225,10 +246,14 @@ def run_latency(args: argparse.Namespace) -> dict:
             runs["hf"].append(peers.hf_generate_timed(hf_model, prompts, n_out, pad))
         if llama is not None:
             runs["llama.cpp"].append(llama.generate_timed(prompts[0], n_out))
+        if ov is not None:
+            runs["openvino"].append(ov.generate_timed(prompts, n_out))
         rates = ", ".join(f"{k} {v[-1].decode_tps * b:.1f} tok/s" for k, v in runs.items())
         print(f"run {i + 1}: {rates}", file=sys.stderr)
     if llama is not None:
         llama.close()
+    if ov is not None:
+        ov.close()
     # Ceilings measured again after the runs; each is the better of the two: a ceiling caught at a
     # moment when other jobs held the cores would flatter every engine's share of it.
     roof = best_of(roof, measure_roofline(engine.dtype, matvec_n=matvec_n, budget_s=1.5))
@@ -239,7 +264,8 @@ def run_latency(args: argparse.Namespace) -> dict:
         "compute_limit_tps": round(roof.matmul_gflops * 1e9 / cost.linear_flops_per_token, 1),
         "compute_limit_path": roof.peak.name,
     }
-    costs = engine_costs(engine, cost, llama.path if llama is not None else None)
+    costs = engine_costs(engine, cost, llama.path if llama is not None else None,
+                         path if ov is not None else None)  # fmt: skip
     report: dict = {
         "bench": "latency", "model": str(path), "quantization": args.quantization,
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,

@@ -9,6 +9,8 @@
   `Llama` API runs one sequence at a time; where a scenario needs concurrency it is said so and
   the peer runs what it can (one sequence). `gguf_copy` makes an F32 or Q8_0 copy of a GGUF with
   `llama_model_quantize`, so each precision of inferd meets the same precision of llama.cpp.
+- OpenVINO GenAI (optional: `pip install openvino-genai`): its continuous-batching pipeline on
+  the same GGUF, stepped like inferd (inferd/bench/openvino_peer.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-PEERS = ("hf", "llama.cpp")
+PEERS = ("hf", "llama.cpp", "openvino")
 LLAMA_CPP_MISSING = (
     "llama.cpp peer skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
 )
@@ -46,7 +48,7 @@ class Timed:
     stamps: list[float] = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     end: float = 0.0
-    token_ids: list[list[int]] = field(default_factory=list)  # inferd only: the outputs
+    token_ids: list[list[int]] = field(default_factory=list)  # inferd and openvino: the outputs
 
     @property
     def request_ttft_s(self) -> list[float]:
@@ -247,12 +249,46 @@ class PeerSet:
         self.notes: list[str] = []
         self._hf = None
         self._llama: LlamaCppPeer | None = None
+        self._openvino = None
+        self._check_openvino()
         if "llama.cpp" in wanted and not llama_cpp_available():
             self.notes.append(LLAMA_CPP_MISSING)
             self.wanted = wanted - {"llama.cpp"}
         elif "llama.cpp" in wanted and path.suffix != ".gguf":
             self.notes.append("llama.cpp peer skipped: the model is not a GGUF file")
             self.wanted = wanted - {"llama.cpp"}
+
+    def _check_openvino(self) -> None:
+        from inferd.bench.openvino_peer import OPENVINO_MISSING, openvino_available
+
+        if "openvino" not in self.wanted:
+            return
+        if not openvino_available():
+            self.notes.append(OPENVINO_MISSING)
+        elif self.path.suffix != ".gguf":
+            self.notes.append("openvino peer skipped: the model is not a GGUF file")
+        else:
+            return
+        self.wanted = self.wanted - {"openvino"}
+
+    def openvino(self, max_num_seqs: int, max_num_batched_tokens: int = 2048):
+        """OpenVINO GenAI's pipeline for at least `max_num_seqs` concurrent sequences (re-created
+        when it must grow), or None when not asked for or not installed."""
+        if "openvino" not in self.wanted:
+            return None
+        from inferd.bench.openvino_peer import OpenVinoPeer
+
+        if self._openvino is not None and self._openvino.max_num_seqs < max_num_seqs:
+            self._openvino.close()
+            self._openvino = None
+        if self._openvino is None:
+            self._openvino = OpenVinoPeer(self.path, max_num_seqs, max_num_batched_tokens)
+            self._openvino.generate_timed([[self.pad_id] * 4], 2)  # warm-up (its first step compiles)
+            note = (f"openvino runs {self.path.name} (converted at load; its CPU plugin's own "
+                    "precisions), prefix caching off")  # fmt: skip
+            if note not in self.notes:
+                self.notes.append(note)
+        return self._openvino
 
     def hf(self):
         if "hf" not in self.wanted:
@@ -284,3 +320,6 @@ class PeerSet:
         if self._llama is not None:
             self._llama.close()
             self._llama = None
+        if self._openvino is not None:
+            self._openvino.close()
+            self._openvino = None

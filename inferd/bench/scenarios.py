@@ -12,7 +12,8 @@
 Every engine sees the same token ids. inferd runs with its prefix cache on (flushed before each
 run: nothing is served from an earlier run) and, where the cache is the point, off as well. HF
 transformers runs static batches and recomputes every prompt; llama.cpp (`Llama`) runs one
-sequence at a time and reuses the KV of the prompt it evaluated last (as its server slot does).
+sequence at a time and reuses the KV of the prompt it evaluated last (as its server slot does);
+OpenVINO GenAI (throughput only) batches continuously with its prefix cache off.
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ def throughput(ctx: BenchContext, a: argparse.Namespace) -> dict:
     if llama is not None:
         ctx.peers.notes.append("llama.cpp's Llama API serves one sequence at a time: its "
                                f"{n}-request figure is sequential (one request's rate)")  # fmt: skip
+    ov = ctx.peers.openvino(max(n, 1), a.max_num_batched_tokens)
     runs: dict[str, list[dict]] = (
         {"inferd": []} | ({"hf": []} if hf else {}) | ({"llama.cpp": []} if llama else {})
-    )
+        | ({"openvino": []} if ov else {})
+    )  # fmt: skip
 
     def record(name: str, single: Timed, batch_tps: float) -> None:
         runs[name].append({"single_decode_tps": single.decode_tps, "single_ttft_s": single.ttft_s,
@@ -110,6 +113,10 @@ def throughput(ctx: BenchContext, a: argparse.Namespace) -> dict:
         if llama is not None:
             single = llama.generate_timed(prompts[0], n_out)
             record("llama.cpp", single, n_out / single.total_s)
+        if ov is not None:
+            single = ov.generate_timed(prompts[:1], n_out)
+            batch = ov.generate_timed(prompts, n_out)
+            record("openvino", single, n * n_out / batch.total_s)
         print(
             f"run {i + 1}: "
             + ", ".join(f"{k} {v[-1]['batch_tps']:.1f} tok/s" for k, v in runs.items())

@@ -181,12 +181,16 @@ def _summarize(
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    good = None
+    # Goodput (DistServe's): requests that met every SLO given, per second and as a share of the
+    # requests sent (a failed request meets none). A request of one token has no TPOT: only its
+    # TTFT is judged. None without SLOs.
+    met = good = share = None
     if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
         ttft_slo = math.inf if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000
         tpot_slo = math.inf if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000
-        met = [r for r in ok if r.ttft_s <= ttft_slo and (r.tpot_s or 0.0) <= tpot_slo]
-        good = len(met) / secs
+        met = sum(1 for r in ok if r.ttft_s <= ttft_slo and (r.tpot_s or 0.0) <= tpot_slo)
+        good = met / secs
+        share = met / len(results) if results else 0.0
     return {
         "concurrency": concurrency,
         "request_rate": None if args.request_rate == math.inf else args.request_rate,
@@ -200,7 +204,9 @@ def _summarize(
         "requests_per_s": len(ok) / secs,
         "output_tps": out_tokens / secs,
         "total_tps": (in_tokens + out_tokens) / secs,
+        "slo_met": met,
         "goodput_rps": good,
+        "goodput_share": share,
         "ttft_ms": stats_ms([r.ttft_s for r in ok]),
         "tpot_ms": stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "itl_ms": stats_ms([x for r in ok for x in r.itls_s]),
@@ -344,16 +350,17 @@ def run_serve(args: argparse.Namespace) -> dict:
     print(f"\nserver {args.base_url}, model {model}, endpoint {args.endpoint}, "
           f"{'dataset ' + args.dataset if args.dataset else f'{args.input_len} in / {args.output_len} out'}")  # fmt: skip
     head = (f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'tot tok/s':>9} "
-            f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99':>15} {'ITL p50/p99':>15} {'E2E p50/p99 ms':>17} {'goodput':>7}")  # fmt: skip
+            f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99':>15} {'ITL p50/p99':>15} {'E2E p50/p99 ms':>17} {'goodput':>7} {'SLO met':>7}")  # fmt: skip
     print(head)
     for p in points:
         pair = {
             k: f"{_fmt(p[k]['p50'])}/{_fmt(p[k]['p99'])}"
             for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
         }
+        share = "-" if p["goodput_share"] is None else f"{100 * p['goodput_share']:.0f}%"
         print(f"{p['concurrency']:>5} {p['completed']:>5} {p['failed']:>4} {p['requests_per_s']:>7.2f} "
               f"{p['output_tps']:>9.1f} {p['total_tps']:>9.1f} {pair['ttft_ms']:>17} {pair['tpot_ms']:>15} "
-              f"{pair['itl_ms']:>15} {pair['e2e_ms']:>17} {_fmt(p['goodput_rps']):>7}")  # fmt: skip
+              f"{pair['itl_ms']:>15} {pair['e2e_ms']:>17} {_fmt(p['goodput_rps']):>7} {share:>7}")  # fmt: skip
     if args.plot_dir and len(points) > 1:
         _plot(points, args.plot_dir)
     report = {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
@@ -386,8 +393,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dataset", default=None, help='JSONL with "prompt" and optional "output_len"')
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos extra")
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token target: goodput counts the requests that meet it")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time-per-output-token target: goodput counts the requests that meet it")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--result-file", default=None)
     p.add_argument("--plot-dir", default=None, help="PNG plots for a sweep (needs matplotlib)")

@@ -37,6 +37,7 @@ from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler, TokenLogprob
 from inferd.scheduler.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from inferd.scheduler.sequence import Logprob, Sequence
+from inferd.scheduler.step_budget import step_shape
 from inferd.scheduler.stop import StopCriteria
 from inferd.spec.decoder import NoSpecDecoder, SpecDecoder
 from inferd.spec.proposer import ProposerContext
@@ -115,11 +116,8 @@ class EngineCore:
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
-        if layout.is_hybrid and config.cache.enable_prefix_caching and verbose:
-            logger.info("prefix caching is off for this model: its sliding-window layers give KV "
-                        "blocks back as they leave the window (--disable-hybrid-kv-cache-manager "
-                        "keeps them, and prefix caching with them)")  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len))
+        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
+                                   clock=lambda: self.clock())  # fmt: skip
         try:
             model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
                                 dtype=self.dtype, device=self.device,
@@ -304,10 +302,12 @@ class EngineCore:
         """One ragged batch: propose → schedule → execute → sample/verify → update → outputs.
         Returns the text and token deltas of every sequence that got tokens."""
         self.spec.propose(self.scheduler.running)
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             self._refresh_stats()
             return []
+        shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on
         self.spec.begin_step(out)
         masks = self._grammar_masks(out)
         logits, _, batch = self.runner.execute(out, all_hidden=self.spec.needs_hidden)
@@ -316,6 +316,8 @@ class EngineCore:
         finished = self.scheduler.update_from_output(out, sampled)
         self.spec.observe(out, sampled, batch)
         deltas = self._outputs(sampled, finished)
+        # The step as its streams feel it, scheduling to outputs: what the latency budget bounds.
+        self.scheduler.budget.record(shape, time.perf_counter() - start)
         self._refresh_stats()
         self.stats_logger.maybe_log(self.stats)
         return deltas
@@ -443,6 +445,11 @@ class EngineCore:
         s.prefix_cache_queries_total = sched.prefix_queries_tokens
         s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
+        budget = sched.budget
+        s.step_budget_capped_steps_total = budget.num_capped_steps
+        s.step_budget_ttft_rescues_total = budget.num_slo_rescues
+        cost = budget.cost.coefficients()
+        s.step_cost_ms = () if cost is None else tuple(1000 * c for c in cost)
 
     def get_stats(self) -> EngineStats:
         self._refresh_stats()

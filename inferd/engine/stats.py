@@ -40,6 +40,12 @@ class EngineStats:
     # (vLLM's num_accepted_tokens_per_pos), to see how deep drafting pays.
     spec_draft_tokens_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # The step's latency budget (inferd/scheduler/step_budget.py): steps whose prefill it cut,
+    # prompts it let through uncapped for their TTFT target, and the fitted step cost in ms
+    # (fixed, per decode row, per prefill token, per 1024 query-key pairs; empty until fitted).
+    step_budget_capped_steps_total: int = 0
+    step_budget_ttft_rescues_total: int = 0
+    step_cost_ms: tuple[float, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -105,6 +111,14 @@ class StatsLogger:
                 stats.num_waiting, stats.num_preemptions_total, 100 * stats.kv_cache_usage,
                 100 * stats.prefix_cache_hit_rate,
             )  # fmt: skip
+            if stats.step_cost_ms:
+                logger.info(
+                    "Step cost: %.2f ms + %.3f ms per decode row + %.3f ms per prefill token + "
+                    "%.3f ms per 1024 attention pairs; prefill capped in %d steps, %d prompts "
+                    "uncapped for their TTFT target",
+                    *stats.step_cost_ms, stats.step_budget_capped_steps_total,
+                    stats.step_budget_ttft_rescues_total,
+                )  # fmt: skip
             if stats.spec_method:
                 logger.info(
                     "Speculative decoding (%s): mean acceptance length %.2f, acceptance rate "

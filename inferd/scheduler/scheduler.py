@@ -3,7 +3,9 @@
 Each step: running decodes first (one token each, or 1 + k when verifying k speculative draft
 tokens; so a long prompt never starves them), then
 running partial prefills, then waiting sequences by (priority, arrival). A prefill takes at most
-what is left of the budget (chunked prefill). When the KV pool is full the lowest-priority running
+what is left of the budget (chunked prefill), and next to decodes at most what the step's latency
+budget allows (inferd.scheduler.step_budget: a step's predicted cost within a factor of the same
+step without prefill). When the KV pool is full the lowest-priority running
 sequence is preempted: its blocks are freed and it is recomputed later (prompt + what it generated),
 which yields the same output as if it had never stopped.
 """
@@ -11,12 +13,15 @@ which yields the same output as if it had never stopped.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferd.config import SchedulerConfig
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.sampling.sampler import TokenLogprob
 from inferd.scheduler.sequence import Sequence, SequenceStatus
+from inferd.scheduler.step_budget import StepBudget
+from inferd.scheduler.step_cost import StepCost, attention_pairs
 from inferd.scheduler.stop import StopCriteria
 
 
@@ -85,10 +90,16 @@ class Scheduler:
     """Owns the request states and the KV manager: nothing else allocates, frees or caches
     blocks. `schedule()` picks a step's work; `update_from_output()` applies what it produced."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopCriteria | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopCriteria | None = None,
+                 cost: StepCost | None = None, clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+        """`cost`: the step cost model the latency budget predicts with (default: learnt from the
+        steps the engine times); `clock`: the clock of the sequences' arrival times (for the TTFT
+        target)."""
         self.config = config
         self.kv = kv
         self.stop = stop
+        self.budget = StepBudget(config.max_step_latency_factor, config.ttft_slo_ms,
+                                 min_chunk=kv.block_size, cost=cost, clock=clock)  # fmt: skip
         self.num_prompt_tokens_computed = 0  # prefill work, recomputation after preemption included
         self.num_generation_tokens = 0  # tokens appended to outputs
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
@@ -163,6 +174,7 @@ class Scheduler:
         order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key))
         scheduled_ids: set[int] = set()
         num_decodes = 0
+        decode_rows, decode_pairs = 0, 0.0  # the decodes' work, for the latency budget
         prefill_room: int | None = None  # fixed once the decodes are placed
         for seq in order:
             if budget == 0:
@@ -172,8 +184,11 @@ class Scheduler:
             is_prefill = seq.num_uncomputed > 1 and not seq.spec.token_ids
             if is_prefill and prefill_room is None:
                 prefill_room = self._prefill_room(num_decodes)
+                self.budget.open(decode_rows, decode_pairs)
             room = min(budget, prefill_room) if is_prefill else budget
             n = self._chunk(seq, room) if room > 0 else 0
+            if is_prefill:
+                n = self.budget.chunk(seq, n)
             if n == 0:
                 continue  # nothing new to compute (its next token is not sampled yet), or no room
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
@@ -195,11 +210,15 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= n + len(seq.spec.leaves)
                 if is_prefill:
+                    self.budget.take(seq, n)
                     prefill_room -= n
                 else:
                     num_decodes += 1
+                    decode_rows += n + len(seq.spec.leaves)
+                    decode_pairs += attention_pairs(seq.num_computed_tokens, n + len(seq.spec.leaves))
         if prefill_room is None:
             prefill_room = self._prefill_room(num_decodes)
+            self.budget.open(decode_rows, decode_pairs)
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is full).
         deferred: set[int] = set()  # seq_ids that wait for a prefix another sequence computes
@@ -219,7 +238,11 @@ class Scheduler:
             # Reuse the longest cached prefix: only the rest is computed.
             cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
             seq.num_computed_tokens = cached
-            n = self._chunk(seq, min(budget, prefill_room))
+            n = self.budget.chunk(seq, self._chunk(seq, min(budget, prefill_room)))
+            if n == 0:  # the latency budget is spent: admit it next step
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                break
             if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
                 self.kv.free(seq.seq_id)  # give the cached prefix back; retry in a later step
                 seq.num_computed_tokens = 0
@@ -235,6 +258,7 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prefilling.append(seq)
             out.scheduled.append((seq, n))
+            self.budget.take(seq, n)
             budget -= n
             prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
