@@ -172,11 +172,11 @@ class EngineCore:
         return self.scheduler.kv
 
     @property
-    def proposer(self):  # noqa: ANN201 — the speculative proposer, or None
+    def proposer(self):
         return self.spec.proposer
 
     @property
-    def spec_policy(self):  # noqa: ANN201 — the speculation policy, or None
+    def spec_policy(self):
         return self.spec.policy
 
     # ---- requests -------------------------------------------------------------------------
@@ -322,7 +322,7 @@ class EngineCore:
         self.stats_logger.maybe_log(self.stats)
         return deltas
 
-    def _grammar_masks(self, out: SchedulerOutput):  # noqa: ANN202 — a future of the bitmask, or None
+    def _grammar_masks(self, out: SchedulerOutput):
         """Start filling the grammar masks of the sequences that sample one token this step (they
         are filled while the forward runs; sequences with grammars never speculate)."""
         if self._structured is None:
