@@ -6,6 +6,7 @@ size."""
 from __future__ import annotations
 
 import pytest
+from fused_steps import count_fused_rows
 
 from inferd import LLM, SamplingParams
 from inferd.kernels.quant_gemm import extension
@@ -28,14 +29,7 @@ def _generate(path, quantization: str, fused: bool, monkeypatch, prompts, spec: 
     """Greedy outputs (tokens and top-2 logprobs) and the rows of each step that took the fused
     path."""
     monkeypatch.setattr(decoder, "FUSED_DECODE", fused)
-    fused_rows: list[int] = []
-    real = decoder.DecoderForCausalLM._decode_layers
-
-    def counted(self, ext, x, *args):
-        fused_rows.append(x.shape[0])
-        return real(self, ext, x, *args)
-
-    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    fused_rows = count_fused_rows(monkeypatch)
     # The speculation policy reads the clock (start-up calibration, the proposer's time), so under
     # load two runs draft differently, batch rows differently, and fp32 matmuls (MKL, not
     # batch-invariant) round differently: both runs get the same fixed costs, so that the layer

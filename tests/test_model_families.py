@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fused_steps import count_fused_rows
 from tiny_families import FAMILIES, TinyFamilyModel, hf_greedy, write_family
 
 from inferd import LLM, SamplingParams
@@ -132,14 +133,7 @@ def test_fused_decode_gives_the_python_layers_bits(families, family, monkeypatch
     tables, windows, soft-capping; head sizes 128 and 256): the same tokens and logprobs as the
     Python layer loop."""
     _quiet_spec_policy(monkeypatch)
-    fused_rows: list[int] = []
-    real = decoder.DecoderForCausalLM._decode_layers
-
-    def counted(self, ext, x, *args):
-        fused_rows.append(x.shape[0])
-        return real(self, ext, x, *args)
-
-    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    fused_rows = count_fused_rows(monkeypatch)
     m = families[family]
     prompts = [{"prompt_token_ids": p} for p in _prompts(m.vocab_size)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from fused_steps import count_fused_rows
 from tiny_families import MOE_FAMILIES, build_hf, hf_greedy, write_family_gguf
 
 from inferd import LLM, SamplingParams
@@ -181,14 +182,7 @@ def test_fused_decode_and_torch_ops_give_the_kernel_layers_bits(moe_models, fami
     tokens and logprobs (OLMoE: qk-norm over all heads in the fused step too)."""
     _, hf_dir, _, prompts, _ = moe_models[family]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
-    fused_rows: list[int] = []
-    real = decoder.DecoderForCausalLM._decode_layers
-
-    def counted(self, ext, x, *args):
-        fused_rows.append(x.shape[0])
-        return real(self, ext, x, *args)
-
-    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    fused_rows = count_fused_rows(monkeypatch)
     runs = []
     for way in ("fused", "python", "torch"):
         monkeypatch.setattr(decoder, "FUSED_DECODE", way == "fused")

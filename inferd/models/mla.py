@@ -60,7 +60,6 @@ class MLAttention(nn.Module):
         self.backend: AttentionBackend | None = None  # select_kernels
         self.dense = None  # the C++ kernels' extension, for per_head (select_kernels)
         self.rotate: Rotate | None = None
-        self.qk_norm_all = False  # (the decoder's fused-step flag; MLA layers run in Python)
 
     def load(self, src: str, dst: str, take, put, put_norm, put_linear) -> None:
         """The checkpoint's MLA tensors (HF names under `src`); q_pe's and k_pe's rows put into
