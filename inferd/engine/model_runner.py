@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ class ModelRunner:
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
         self.attention_kernel = model.attention_backend.kernel if use_attention_kernel else None
+        self.kernel_max_query = model.attention_backend.kernel_max_query or sys.maxsize
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
         if device.type == "cpu":
@@ -193,15 +195,16 @@ class ModelRunner:
             positions.extend(range(start, end))
             for g, table in enumerate(tables):
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if self.attention_kernel is not None:
-                # Every query through the one kernel, so a row's attention has the same bits
-                # whatever its chunk (a full prefill, a cache-hit suffix, a decode). Long queries
-                # go as pieces: entries of the same sequence, each seeing its own keys.
+            if self.attention_kernel is not None and n <= self.kernel_max_query:
+                # Every query through the one kernel (up to the backend's kernel_max_query: the
+                # CPU's takes all), so a row's attention has the same bits whatever its chunk (a
+                # full prefill, a cache-hit suffix, a decode). Long queries go as pieces: entries
+                # of the same sequence, each seeing its own keys.
                 for a in range(0, n, KERNEL_PIECE_ROWS):
                     m = min(KERNEL_PIECE_ROWS, n - a)
                     ctx = start + a + m
                     kernel_group.append((row0 + a, m, ctx, [t[: (ctx + bs - 1) // bs] for t in tables]))
-            elif n <= PADDED_GROUP_MAX_QUERY:
+            elif self.attention_kernel is None and n <= PADDED_GROUP_MAX_QUERY:
                 group.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables]))
             else:
                 mask = None

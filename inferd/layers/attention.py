@@ -10,6 +10,8 @@ C++ kernels build here, and `ATTENTION_BACKENDS` names every backend:
   row's bits never depend on how its prompt was split). Long chunks planned without the kernel
   group (a runner built with `use_attention_kernel=False`) go to the causal kernel
   (csrc/prefill_attention.h) at head size 64, SDPA at other head sizes.
+- "triton" (CUDA with triton installed): the Triton paged kernel for short queries (decodes,
+  verification rows, tree leaves), SDPA for long chunks (inferd/kernels/triton);
 - "torch" (anywhere else): PyTorch's SDPA; no short-query kernel, so the runner puts every short
   query in the padded group (one gather + SDPA call, or cascade attention when its sequences
   share a prefix) and long chunks one sequence at a time.
@@ -53,6 +55,7 @@ __all__ = [
     "PrefillSlice",
     "SharedPrefix",
     "TorchAttention",
+    "TritonAttention",
     "attend",
     "paged_attention",
     "select_attention_backend",
@@ -183,9 +186,13 @@ class AttentionBackend(ABC):
     past construction: one instance serves every layer."""
 
     name: ClassVar[str]
-    # The C++ extension whose paged kernel takes the kernel group's short queries; None: the
-    # backend has none, and the runner forms no kernel group (nor can the fused decode step run).
+    # The module whose paged kernel takes the kernel group's short queries (the C++ extension,
+    # or the Triton kernels' module); None: the backend has none, and the runner forms no kernel
+    # group (nor can the fused decode step run).
     kernel: ModuleType | None = None
+    # Longest query the kernel group takes whole or in pieces (None: every query); longer ones
+    # are prefill chunks attended by `chunk`.
+    kernel_max_query: int | None = None
 
     @classmethod
     @abstractmethod
@@ -365,17 +372,70 @@ class TorchAttention(AttentionBackend):
         return True
 
 
+@register
+class TritonAttention(TorchAttention):
+    """CUDA with triton installed (`inferd[gpu]`): the Triton paged kernel
+    (inferd/kernels/triton/paged_attention.py) takes short queries (decodes, 1 + k verification,
+    tree leaves) straight from the pool, float or quantized; long prefill chunks stay on SDPA
+    (flash, `is_causal`, when the chunk has no earlier context). Head sizes the kernel lacks
+    (not a power of two, or above 256) run as the torch backend, with one warning."""
+
+    name = "triton"
+    kernel_max_query = 32  # longer queries are prefill chunks: SDPA
+
+    def __init__(self, head_dim: int) -> None:
+        from inferd.kernels import triton as triton_kernels
+
+        if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+            triton_kernels.warn_slow_path(f"no Triton attention kernel for head size {head_dim}: "
+                                          "padded SDPA over gathered K/V")  # fmt: skip
+            self.kernel = None
+            return
+        from inferd.kernels.triton import paged_attention
+
+        self.kernel = paged_attention
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        from inferd.kernels import triton as triton_kernels
+
+        return device.type == "cuda" and dtype in _TRITON_DTYPES and triton_kernels.available()
+
+    def short_queries(
+        self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+    ) -> None:  # fmt: skip
+        quant = {}
+        if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
+            quant = {"k_scale": k_cache.scale, "v_scale": v_cache.scale,
+                     "kv_format": k_cache.fmt.kernel_code}  # fmt: skip
+            k_cache, v_cache = k_cache.data, v_cache.data
+        self.kernel.paged_attention_short(
+            q, k_cache, v_cache, g.row_start, g.q_lens, g.ctx_lens, g.block_tables, out, scale,
+            g.q_max, g.token_rows, window=window, softcap=softcap, **quant,
+        )  # fmt: skip
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 # First supported wins.
-_PREFERENCE = ("cpu", "torch")
+_PREFERENCE = ("cpu", "triton", "torch")
 
 
 def select_attention_backend(
     device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None
 ) -> AttentionBackend:
-    """The backend `name` names, or the first of "cpu", "torch" that runs for a model of
+    """The backend `name` names, or the first of "cpu", "triton", "torch" that runs for a model of
     `dtype` on `device` here."""
     if name is None:
         name = next(n for n in _PREFERENCE if ATTENTION_BACKENDS[n].supports(device, dtype))
+        if name == "torch" and device.type == "cuda":
+            from inferd.kernels import triton as triton_kernels
+
+            triton_kernels.warn_slow_path(
+                f"attention on {device.type} ({dtype}) gathers every context out of the pool for "
+                "SDPA (install inferd[gpu] for the Triton paged kernel)"
+            )
     cls = ATTENTION_BACKENDS.get(name)
     if cls is None:
         known = ", ".join(ATTENTION_BACKENDS)

@@ -265,13 +265,13 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x)
 
     def _fused_step_takes(self, x: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """Whether `decode_layers` runs this step: every row in the kernel group (whose extension
-        holds it), fp32 rows, a cache it reads (plain, 2-byte or quantized), int8 activations
+        """Whether `decode_layers` runs this step: every row in the kernel group (whose C++
+        extension holds it), fp32 rows on the CPU, a cache it reads (plain, 2-byte or quantized), int8 activations
         where weights are packed into tiles (tiles have no fp32-activation kernel), and no more
         rows than one attention kernel call takes (the C++ step attends all its rows in one)."""
         kg = meta.kernel_group
         return (kg is not None and meta.group is None and not meta.prefills
-                and x.dtype == torch.float32
+                and x.dtype == torch.float32 and x.is_cpu
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
                 and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla)  # fmt: skip

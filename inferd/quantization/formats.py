@@ -374,8 +374,9 @@ def _kernels():
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = True,
                      int8_activations: bool | None = None) -> torch.Tensor:
-    """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernels for fp32 CPU input, else
-    (CUDA, other dtypes, no compiler) dequantize-then-matmul in PyTorch. With
+    """x [..., K] · dequant(w)^T → [..., N]: the fused CPU kernels for fp32 CPU input, the Triton
+    GEMM (inferd/kernels/triton) for CUDA input, else (other dtypes, no compiler, no triton, a
+    format it lacks) dequantize-then-matmul in PyTorch. With
     `int8_activations` (None: INT8_ACTIVATIONS) int8/int4 weights take the integer-dot kernels
     (x rounded to int8 per 32-block; fp32 accumulation); fp8 weights, and the others without
     them, fp32 activations on the dequantised weight. Either way a row's result does not depend
@@ -395,6 +396,12 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
             else:
                 y = _kernel_call(ext, x2.contiguous(), w)
             return y if flat else y.view(*x.shape[:-1], w.shape[0])
+    if use_kernels and x.is_cuda:
+        from inferd.kernels.triton import cuda_quant_matmul
+
+        y = cuda_quant_matmul(x, w)
+        if y is not None:
+            return y
     return F.linear(x, dequantize_rows(w).to(x.dtype))
 
 
