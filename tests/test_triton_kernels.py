@@ -1,0 +1,126 @@
+"""The Triton kernels of the CUDA path without a GPU: each against its PyTorch reference on CPU
+tensors under the interpreter (tests/triton_interpreted_checks.py, in a subprocess: TRITON_INTERPRET
+must be set before triton is imported), and every shipped configuration compiled for sm_90, which
+rejects what the interpreter lets through. The backend choice for CUDA is checked here too."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from inferd.kernels.triton import paged_attention as pa  # noqa: E402
+from inferd.kernels.triton import quant_gemm as qg  # noqa: E402
+from inferd.layers.attention import TorchAttention, TritonAttention, select_attention_backend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Interpreter tolerances: fp32 math everywhere; 16-bit outputs (names with f16 / bf16) round once.
+def _tolerance(name: str) -> float:
+    return 2e-3 if "f16" in name else 1e-5
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_interpreted_checks.py")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_match_references_under_the_interpreter(interpreted):
+    assert len(interpreted) == 15
+    bad = {name: err for name, err in interpreted.items() if not err <= _tolerance(name)}
+    assert not bad, bad
+
+
+def _signature(kernel, types: dict, constexprs: dict) -> dict:
+    names = kernel.arg_names
+    return {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+
+
+def _attention_types(act: str, pool: str) -> dict:
+    t = {n: "*i64" for n in ("row_start_ptr", "q_len_ptr", "ctx_ptr", "table_ptr")}
+    t.update(q_ptr=f"*{act}", out_ptr=f"*{act}", k_ptr=f"*{pool}", v_ptr=f"*{pool}",
+             ks_ptr="*fp32", vs_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32",
+             sm_scale="fp32", window="i32", softcap="fp32")  # fmt: skip
+    t.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_tb", "num_q_tiles")})
+    return t
+
+
+# What the CUDA path launches: (activations, pool, kv format, G, D, q_max, keys, window, softcap).
+ATTENTION_CONFIGS = [
+    ("bf16", "bf16", pa.FLOAT, 4, 128, 1, 8192, False, False),  # Llama-3-8B-shaped decode
+    ("bf16", "bf16", pa.FLOAT, 4, 128, 5, 512, False, False),  # 1 + 4 verification rows
+    ("fp16", "fp16", pa.FLOAT, 1, 64, 1, 2048, False, False),  # MHA
+    ("bf16", "u8", pa.INT8, 8, 128, 1, 4096, False, False),
+    ("bf16", "u8", pa.FP8_E4M3, 2, 64, 8, 1024, False, False),
+    ("fp16", "u8", pa.FP8_E5M2, 4, 128, 1, 256, False, False),
+    ("bf16", "bf16", pa.FLOAT, 4, 256, 2, 1024, True, True),  # Gemma: window, soft-capping
+    ("fp32", "fp32", pa.FLOAT, 4, 64, 1, 1024, False, False),
+]
+
+
+@pytest.mark.parametrize("act,pool,fmt,group,d,q_max,keys,window,softcap", ATTENTION_CONFIGS)
+def test_attention_compiles_for_sm90(act, pool, fmt, group, d, q_max, keys, window, softcap):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[act]
+    consts = dict(HKV=8 // min(group, 8), G=group, D=d, BS=16, SPLIT_KEYS=pa.SPLIT_KEYS, FMT=fmt,
+                  PRECISION=pa.dot_precision(dtype), HAS_WINDOW=window, HAS_SOFTCAP=softcap,
+                  **pa.launch_config(q_max, group, d, keys))  # fmt: skip
+    sig = _signature(pa._paged_attention_kernel, _attention_types(act, pool), consts)
+    src = triton.compiler.ASTSource(fn=pa._paged_attention_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    if consts["SPLITS"] > 1:
+        merge = dict(HQ=32, D=d, SPLITS=consts["SPLITS"])
+        types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{act}", rows_ptr="*i64",
+                     stride_ot="i32", stride_oh="i32")  # fmt: skip
+        sig = _signature(pa._merge_splits_kernel, types, merge)
+        src = triton.compiler.ASTSource(fn=pa._merge_splits_kernel, signature=sig, constexprs=merge)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+# (activations, format, group, M, N, K): decodes and prefill tiles of 8B-shaped projections.
+GEMM_CONFIGS = [
+    ("bf16", "int4", 32, 1, 14336, 4096),
+    ("bf16", "int4", 32, 128, 4096, 14336),
+    ("fp16", "int8", 32, 32, 4096, 4096),
+    ("bf16", "int8", 4096, 1, 4096, 4096),
+    ("bf16", "fp8", 32, 1, 4096, 14336),
+    ("bf16", "fp8", 128, 512, 14336, 4096),
+    ("fp32", "int4", 32, 8, 4096, 4096),
+]
+
+
+@pytest.mark.parametrize("act,fmt,group,m,n,k", GEMM_CONFIGS)
+def test_quant_gemm_compiles_for_sm90(act, fmt, group, m, n, k):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[act]
+    dot_dtype, precision = qg.dot_dtypes(dtype, torch.device("cuda"))
+    cfg = qg.launch_config(m, n, k, 132)  # an H100 / H200's SMs
+    consts = dict(K=k, GROUP=group, FMT=fmt, DOT_DTYPE=dot_dtype, PRECISION=precision, **cfg)
+    data = {"int8": "*i8", "int4": "*u8", "fp8": "*u8"}[fmt]
+    scales = {"int8": "*fp16", "int4": "*fp16", "fp8": "*fp32"}[fmt]
+    out = act if cfg["SPLIT_K"] == 1 else "fp32"
+    types = dict(x_ptr=f"*{act}", w_ptr=data, s_ptr=scales, m_ptr=scales, y_ptr=f"*{out}",
+                 M="i32", N="i32", stride_xm="i32")  # fmt: skip
+    sig = _signature(qg._quant_gemm_kernel, types, consts)
+    src = triton.compiler.ASTSource(fn=qg._quant_gemm_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_cuda_selects_the_triton_backend(caplog):
+    cuda = torch.device("cuda")  # nothing is allocated: the choice reads device type and dtype
+    backend = select_attention_backend(cuda, torch.bfloat16, 128)
+    assert isinstance(backend, TritonAttention) and backend.kernel is pa
+    assert backend.kernel_max_query == 32
+    with caplog.at_level(logging.WARNING, logger="inferd.kernels"):
+        odd = select_attention_backend(cuda, torch.bfloat16, 576)  # MLA's latent width
+    assert odd.kernel is None and "head size 576" in caplog.text
+    assert isinstance(select_attention_backend(torch.device("cpu"), torch.bfloat16, 64), TorchAttention)
