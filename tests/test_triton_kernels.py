@@ -37,7 +37,7 @@ def interpreted() -> dict:
 
 
 def test_kernels_match_references_under_the_interpreter(interpreted):
-    assert len(interpreted) == 15
+    assert len(interpreted) == 19
     bad = {name: err for name, err in interpreted.items() if not err <= _tolerance(name)}
     assert not bad, bad
 
@@ -56,28 +56,35 @@ def _attention_types(act: str, pool: str) -> dict:
     return t
 
 
-# What the CUDA path launches: (activations, pool, kv format, G, D, q_max, keys, window, softcap).
+# What the CUDA path launches: (activations, pool, kv format, G, D, q_max, keys, window, softcap,
+# prefill tiles).
 ATTENTION_CONFIGS = [
-    ("bf16", "bf16", pa.FLOAT, 4, 128, 1, 8192, False, False),  # Llama-3-8B-shaped decode
-    ("bf16", "bf16", pa.FLOAT, 4, 128, 5, 512, False, False),  # 1 + 4 verification rows
-    ("fp16", "fp16", pa.FLOAT, 1, 64, 1, 2048, False, False),  # MHA
-    ("bf16", "u8", pa.INT8, 8, 128, 1, 4096, False, False),
-    ("bf16", "u8", pa.FP8_E4M3, 2, 64, 8, 1024, False, False),
-    ("fp16", "u8", pa.FP8_E5M2, 4, 128, 1, 256, False, False),
-    ("bf16", "bf16", pa.FLOAT, 4, 256, 2, 1024, True, True),  # Gemma: window, soft-capping
-    ("fp32", "fp32", pa.FLOAT, 4, 64, 1, 1024, False, False),
+    ("bf16", "bf16", pa.FLOAT, 4, 128, 1, 8192, False, False, False),  # Llama-3-8B-shaped decode
+    ("bf16", "bf16", pa.FLOAT, 4, 128, 5, 512, False, False, False),  # 1 + 4 verification rows
+    ("fp16", "fp16", pa.FLOAT, 1, 64, 1, 2048, False, False, False),  # MHA
+    ("bf16", "u8", pa.INT8, 8, 128, 1, 4096, False, False, False),
+    ("bf16", "u8", pa.FP8_E4M3, 2, 64, 8, 1024, False, False, False),
+    ("fp16", "u8", pa.FP8_E5M2, 4, 128, 1, 256, False, False, False),
+    ("bf16", "bf16", pa.FLOAT, 4, 256, 2, 1024, True, True, False),  # Gemma: window, soft-capping
+    ("fp32", "fp32", pa.FLOAT, 4, 64, 1, 1024, False, False, False),
+    ("bf16", "bf16", pa.FLOAT, 4, 128, 2048, 8192, False, False, True),  # chunk after context
+    ("bf16", "u8", pa.FP8_E4M3, 1, 64, 512, 1024, False, False, True),
+    ("bf16", "bf16", pa.FLOAT, 2, 256, 1024, 4096, True, True, True),
 ]
 
 
-@pytest.mark.parametrize("act,pool,fmt,group,d,q_max,keys,window,softcap", ATTENTION_CONFIGS)
-def test_attention_compiles_for_sm90(act, pool, fmt, group, d, q_max, keys, window, softcap):
+@pytest.mark.parametrize("act,pool,fmt,group,d,q_max,keys,window,softcap,prefill", ATTENTION_CONFIGS)
+def test_attention_compiles_for_sm90(act, pool, fmt, group, d, q_max, keys, window, softcap, prefill):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[act]
+    cfg = pa.launch_config(q_max, group, d, keys, prefill)
+    warps = cfg.pop("num_warps")
     consts = dict(HKV=8 // min(group, 8), G=group, D=d, BS=16, SPLIT_KEYS=pa.SPLIT_KEYS, FMT=fmt,
                   PRECISION=pa.dot_precision(dtype), HAS_WINDOW=window, HAS_SOFTCAP=softcap,
-                  **pa.launch_config(q_max, group, d, keys))  # fmt: skip
+                  **cfg)  # fmt: skip
     sig = _signature(pa._paged_attention_kernel, _attention_types(act, pool), consts)
     src = triton.compiler.ASTSource(fn=pa._paged_attention_kernel, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm["ptx"] and compiled.metadata.num_warps == warps
     if consts["SPLITS"] > 1:
         merge = dict(HQ=32, D=d, SPLITS=consts["SPLITS"])
         types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{act}", rows_ptr="*i64",

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from inferd.kernels.triton import selfcheck as sc  # noqa: E402
 from inferd.kv.kv_cache import KVCache  # noqa: E402
 from inferd.layers.attention import (  # noqa: E402
-    AttentionMetadata, PaddedGroup, TorchAttention, TritonAttention, _write)
+    AttentionMetadata, PaddedGroup, PrefillSlice, TorchAttention, TritonAttention, _write)
 
 f16, f32 = torch.float16, torch.float32
 results = {}
@@ -79,7 +79,37 @@ def backend_against_torch(kv_cache_dtype: str) -> float:
     return (out - ref).abs().max().item()
 
 
+
+
+def context_chunk_against_torch(kv_cache_dtype: str, window: int | None) -> float:
+    """A 40-row chunk after 10 cached keys (a prefix-cache hit, a later chunk), through
+    TritonAttention's paged prefill tiles and through the torch backend's gather + mask."""
+    torch.manual_seed(1)
+    bs, hq, hkv, d, nb, cached, n = 8, 4, 2, 16, 12, 10, 40
+    cache = KVCache(torch.zeros(1, 2, nb, bs, hkv, d, dtype=KVCache.storage_dtype(kv_cache_dtype, f32)), kv_cache_dtype)
+    k_cache, v_cache = cache.layers()[0]
+    table = [7, 3, 11, 0, 5, 9, 2]  # 50 keys in 7 shuffled blocks, the last one partial
+    old = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)])
+    _write(k_cache, old, torch.randn(cached, hkv, d))
+    _write(v_cache, old, torch.randn(cached, hkv, d))
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached, cached + n)])
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    mask = torch.arange(cached + n).unsqueeze(0) <= torch.arange(cached, cached + n).unsqueeze(1)
+    outs = []
+    for backend in (TritonAttention(d), TorchAttention(d)):
+        saved = (cache.data.clone(), None if cache.scales is None else cache.scales.clone())
+        chunk = PrefillSlice(0, n, cached + n, torch.tensor(table), mask)
+        outs.append(backend.forward(q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, None, [chunk]),
+                                    0.25, window=window))
+        cache.data.copy_(saved[0])
+        if saved[1] is not None:
+            cache.scales.copy_(saved[1])
+    return (outs[0] - outs[1]).abs().max().item()
+
+
 for kv in ("auto", "int8", "fp8"):
     results[f"backend_{kv}"] = backend_against_torch(kv)
+    results[f"context_chunk_{kv}"] = context_chunk_against_torch(kv, None)
+results["context_chunk_window"] = context_chunk_against_torch("auto", 12)
 json.dump(results, sys.stdout)
 print()

@@ -244,17 +244,25 @@ class AttentionBackend(ABC):
         elif out is None:
             out = torch.empty_like(q)
         for p in meta.prefills:
+            rows = slice(p.start, p.end)
             if p.mask is None:  # no earlier context: the chunk's own keys, plain causal
-                kp, vp = k[p.start : p.end], v[p.start : p.end]
-            else:  # after cached context: every key of the sequence, causal shifted by the context
-                n = p.block_table.numel()
-                kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
-                vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
-                kp, vp = kp[: p.context_len], vp[: p.context_len]
-            self.chunk(
-                q[p.start : p.end], kp, vp, p.mask, out[p.start : p.end], scale, window, softcap
-            )
+                self.chunk(q[rows], k[rows], v[rows], None, out[rows], scale, window, softcap)
+            else:
+                self.context_chunk(q[rows], k_cache, v_cache, p, out[rows], scale, window, softcap)
         return out
+
+    def context_chunk(
+        self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, p: PrefillSlice,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+    ) -> None:  # fmt: skip
+        """A long chunk after cached context (its K/V already written): q [n, Hq, D] against
+        every key of its sequence, causal shifted by the context, into `out` [n, Hq, D]. Here:
+        the keys gathered out of the pool for `chunk`."""
+        _, block_size, n_kv, d = k_cache.shape
+        n = p.block_table.numel()
+        kp = _gather(k_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
+        vp = _gather(v_cache, p.block_table, q.dtype).view(n * block_size, n_kv, d)
+        self.chunk(q, kp[: p.context_len], vp[: p.context_len], p.mask, out, scale, window, softcap)
 
     def short_queries(
         self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
@@ -376,8 +384,8 @@ class TorchAttention(AttentionBackend):
 class TritonAttention(TorchAttention):
     """CUDA with triton installed (`inferd[gpu]`): the Triton paged kernel
     (inferd/kernels/triton/paged_attention.py) takes short queries (decodes, 1 + k verification,
-    tree leaves) straight from the pool, float or quantized; long prefill chunks stay on SDPA
-    (flash, `is_causal`, when the chunk has no earlier context). Head sizes the kernel lacks
+    tree leaves) and long chunks after cached context straight from the pool, float or
+    quantized; chunks without earlier context stay on SDPA (flash, `is_causal`). Head sizes the kernel lacks
     (not a power of two, or above 256) run as the torch backend, with one warning."""
 
     name = "triton"
@@ -405,15 +413,38 @@ class TritonAttention(TorchAttention):
         self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, g: PaddedGroup,
         out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
     ) -> None:  # fmt: skip
-        quant = {}
-        if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
-            quant = {"k_scale": k_cache.scale, "v_scale": v_cache.scale,
-                     "kv_format": k_cache.fmt.kernel_code}  # fmt: skip
-            k_cache, v_cache = k_cache.data, v_cache.data
+        k_cache, v_cache, quant = _pool_arguments(k_cache, v_cache)
         self.kernel.paged_attention_short(
             q, k_cache, v_cache, g.row_start, g.q_lens, g.ctx_lens, g.block_tables, out, scale,
             g.q_max, g.token_rows, window=window, softcap=softcap, **quant,
         )  # fmt: skip
+
+    def context_chunk(
+        self, q: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV, p: PrefillSlice,
+        out: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+    ) -> None:  # fmt: skip
+        """The same kernel as one entry of query tiles, reading the context in place."""
+        if self.kernel is None:
+            return super().context_chunk(q, k_cache, v_cache, p, out, scale, window, softcap)
+        n = p.end - p.start
+        if p.kernel_entry is None:
+            p.kernel_entry = torch.tensor([0, n, p.context_len], dtype=torch.long).to(
+                q.device, non_blocking=True)  # fmt: skip
+        e = p.kernel_entry
+        k_cache, v_cache, quant = _pool_arguments(k_cache, v_cache)
+        self.kernel.paged_attention_short(
+            q, k_cache, v_cache, e[0:1], e[1:2], e[2:3], p.block_table.view(1, -1), out, scale,
+            n, e, window=window, softcap=softcap, prefill=True, **quant,
+        )  # fmt: skip
+
+
+def _pool_arguments(k_cache: LayerKV, v_cache: LayerKV) -> tuple:
+    """(K data, V data, the kernel's quantization keywords) of one layer's pool."""
+    if isinstance(k_cache, QuantizedKV):  # the codes and scales in place
+        quant = {"k_scale": k_cache.scale, "v_scale": v_cache.scale,
+                 "kv_format": k_cache.fmt.kernel_code}  # fmt: skip
+        return k_cache.data, v_cache.data, quant
+    return k_cache, v_cache, {}
 
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -41,6 +41,9 @@ class PrefillSlice:
     # [q_len, context_len] bool (True = may attend); None when the chunk has no earlier context,
     # in which case keys come straight from this chunk with a plain causal mask.
     mask: torch.Tensor | None
+    # (0, q_len, context_len) int64 on the device, for a paged kernel that reads the chunk's
+    # context in place (the Triton backend): made by the first layer that asks, then shared.
+    kernel_entry: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -81,6 +81,7 @@ def _paged_attention_kernel(
     # Keys of this split that some row of the tile may see.
     lo = split * SPLIT_KEYS
     hi = tl.minimum(lo + SPLIT_KEYS, ctx - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q))
+    hi = tl.where(q_tile * BLOCK_Q < q_len, hi, lo)  # a tile past this entry's queries: no work
     if HAS_WINDOW:
         first_pos = ctx - q_len + q_tile * BLOCK_Q
         lo = tl.maximum(lo, (first_pos - window + 1) // BLOCK_N * BLOCK_N)
@@ -149,31 +150,28 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-def block_q(q_max: int, group: int) -> int:
-    """Queries per tile: at least 16 rows of the dot (its minimum) and at most 64."""
-    bq = max(triton.next_power_of_2(q_max), max(1, 16 // group))
-    return max(1, min(bq, 64 // group)) if group <= 64 else 1
-
-
-def block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 64 else 32
-
-
-def num_splits(max_keys: int) -> int:
-    """Key splits for block tables of `max_keys` keys: a power of two (the merge's tile)."""
-    return triton.next_power_of_2(max(1, triton.cdiv(max_keys, SPLIT_KEYS)))
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """tf32 tensor cores for 16-bit queries (exact for them and for every K/V storage; only the
     probabilities round, as flash attention's do to 16 bits); full fp32 for an fp32 model."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_config(q_max: int, group: int, head_dim: int, max_keys: int) -> dict:
-    """The constexprs a launch uses (also what the compile test enumerates)."""
-    return {"BLOCK_Q": block_q(q_max, group), "BLOCK_N": block_n(head_dim),
-            "SPLITS": num_splits(max_keys)}  # fmt: skip
+def launch_config(q_max: int, group: int, head_dim: int, max_keys: int,
+                  prefill: bool = False) -> dict:  # fmt: skip
+    """The constexprs and warps of a launch (also what the compile test enumerates).
+
+    Short queries: tiles of at least 16 rows (the dot's minimum) and at most 64, keys split by
+    SPLIT_KEYS into a power-of-two count (the merge's tile). A prefill chunk after cached context
+    (`prefill`): tiles of 128 rows (64 at head sizes above 128) and no split (its rows are many
+    enough to fill the GPU, and the partials of thousands of rows would not be small)."""
+    if prefill:
+        rows = 128 if head_dim <= 128 else 64
+        return {"BLOCK_Q": max(1, rows // group), "BLOCK_N": 64 if head_dim <= 128 else 32,
+                "SPLITS": 1, "num_warps": 8}  # fmt: skip
+    bq = max(triton.next_power_of_2(q_max), max(1, 16 // group))
+    splits = triton.next_power_of_2(max(1, triton.cdiv(max_keys, SPLIT_KEYS)))
+    return {"BLOCK_Q": max(1, min(bq, 64 // group)), "BLOCK_N": 64 if head_dim <= 64 else 32,
+            "SPLITS": splits, "num_warps": 4}  # fmt: skip
 
 
 def paged_attention_short(
@@ -193,6 +191,7 @@ def paged_attention_short(
     kv_format: int = FLOAT,
     window: int | None = None,
     softcap: float | None = None,
+    prefill: bool = False,  # long chunks: `launch_config`'s prefill tiles
 ) -> torch.Tensor:
     """Fill `out`'s rows of the entries (module docstring); returns `out`."""
     n_heads, d = q.shape[1], q.shape[2]
@@ -203,15 +202,15 @@ def paged_attention_short(
         raise ValueError("the KV pool and block tables must be contiguous")
     group = n_heads // n_kv
     num_entries, width = block_tables.shape
-    cfg = launch_config(q_max, group, d, width * bs)
+    cfg = launch_config(q_max, group, d, width * bs, prefill)
     q_tiles = triton.cdiv(q_max, cfg["BLOCK_Q"])
     splits = cfg["SPLITS"]
     part_o = part_lse = out  # unused placeholders when one split covers every key
     if splits > 1:
         t = q.shape[0]
         part_o = torch.empty((t, n_heads, splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.full((t, n_heads, splits), float("-inf"), dtype=torch.float32,
-                              device=q.device)  # fmt: skip
+        # Every (row, head, split) of the entries is written, an empty split as lse = -inf.
+        part_lse = torch.empty((t, n_heads, splits), dtype=torch.float32, device=q.device)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (num_entries, n_kv * q_tiles, splits)
