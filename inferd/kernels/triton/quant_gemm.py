@@ -147,6 +147,8 @@ def quant_gemm(
         x = x.contiguous()
     if k % 32 or group % 32 or k % group:
         raise ValueError(f"K={k} and group={group} must be multiples of 32, group dividing K")
+    if m == 0:
+        return x.new_empty((0, n))
     cfg = launch_config(m, n, k, _num_sms(x.device))
     dot_dtype, precision = dot_dtypes(x.dtype, x.device)
     split = cfg["SPLIT_K"]

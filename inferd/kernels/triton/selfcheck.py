@@ -37,13 +37,14 @@ def check_paged_attention(
     Returns max_err against fp32 attention over the stored (dequantized) K/V, ms, gbps (K/V
     bytes read per second)."""
     device = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # block placement
+    gd = torch.Generator(device=device).manual_seed(seed)  # values: made where they are used
     ctx = [max(q_len, context - 3 * b) for b in range(batch)]
     nblk = [(c + block_size - 1) // block_size for c in ctx]
     num_blocks = sum(nblk) + 1
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k = torch.randn(shape, generator=g).to(device)
-    v = torch.randn(shape, generator=g).to(device)
+    k = torch.randn(shape, generator=gd, device=device)
+    v = torch.randn(shape, generator=gd, device=device)
     fmt = kv_format(kv_dtype)
     quant = {}
     if fmt is None:
@@ -61,17 +62,17 @@ def check_paged_attention(
         tables[b, :n] = torch.tensor(perm[sum(nblk[:b]) : sum(nblk[: b + 1])])
     tables = tables.to(device)
     t = batch * q_len
-    q = torch.randn(t, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(t, heads, head_dim, generator=gd, device=device).to(dtype)
     row_start = torch.arange(0, t, q_len, device=device)
     q_lens = torch.full((batch,), q_len, device=device)
     ctx_lens = torch.tensor(ctx, device=device)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
+    rows = torch.arange(t, device=device)
 
     def run():
         pa.paged_attention_short(q, k_pool, v_pool, row_start, q_lens, ctx_lens, tables, out,
-                                 scale, q_len, torch.arange(t, device=device), window=window,
-                                 softcap=softcap, **quant)  # fmt: skip
+                                 scale, q_len, rows, window=window, softcap=softcap, **quant)  # fmt: skip
 
     run()
     ref = torch.empty(t, heads, head_dim, device=device)
@@ -106,15 +107,15 @@ def check_quant_gemm(
     per `group`, "fp8"). Returns max_err and rel_err against F.linear on the dequantized weight
     rounded to `dtype` (the PyTorch path), ms, gbps (weight bytes per second) and tflops."""
     device = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
-    w_full = torch.randn(n, k, generator=g).to(device) * 0.02
+    g = torch.Generator(device=device).manual_seed(seed)
+    w_full = torch.randn(n, k, generator=g, device=device) * 0.02
     if fmt == "int8":
         w = formats.quantize_int8_blocks(w_full)
         if group != 32:
             w = formats.quantize_int8(w_full)
     else:
         w = formats.quantize(w_full, fmt, group)
-    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
     y = quant_gemm(x, w.format, w.data, w.scales, w.mins, w.group, n)
     ref = F.linear(x.float(), formats.dequantize_rows(w).to(dtype).float())
     err = (y.float() - ref).abs().max().item()
