@@ -8,25 +8,58 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-import torch  # noqa: E402
+import torch
 
-from inferd.kernels.triton import selfcheck as sc  # noqa: E402
-from inferd.kv.kv_cache import KVCache  # noqa: E402
-from inferd.layers.attention import (  # noqa: E402
-    AttentionMetadata, PaddedGroup, PrefillSlice, TorchAttention, TritonAttention, _write)
+from inferd.kernels.triton import selfcheck as sc
+from inferd.kv.kv_cache import KVCache
+from inferd.layers.attention import (
+    AttentionMetadata,
+    PaddedGroup,
+    PrefillSlice,
+    TorchAttention,
+    TritonAttention,
+    _write,
+)
 
 f16, f32 = torch.float16, torch.float32
 results = {}
 # Attention: GQA, partial last blocks, shuffled tables; q_len > 1 (verification); contexts past
 # SPLIT_KEYS (split-K and the merge); every KV storage; window and soft-capping.
 attention = {
-    "fp16_gqa4_q3": dict(batch=3, context=40, heads=8, kv_heads=2, head_dim=32, q_len=3, block_size=8, dtype=f16),
+    "fp16_gqa4_q3": dict(
+        batch=3, context=40, heads=8, kv_heads=2, head_dim=32, q_len=3, block_size=8, dtype=f16
+    ),
     "fp32_mha_splits": dict(batch=2, context=1100, heads=2, kv_heads=2, head_dim=16, dtype=f32),
-    "bf16_pool_gqa8": dict(batch=2, context=50, heads=8, kv_heads=1, head_dim=16, kv_dtype="bfloat16", dtype=f16),
-    "int8_q2": dict(batch=2, context=70, heads=4, kv_heads=2, head_dim=32, q_len=2, kv_dtype="int8", dtype=f32),
-    "fp8_e4m3_splits": dict(batch=1, context=600, heads=4, kv_heads=1, head_dim=16, kv_dtype="fp8_e4m3", dtype=f32),
-    "fp8_e5m2": dict(batch=2, context=30, heads=2, kv_heads=1, head_dim=16, q_len=4, kv_dtype="fp8_e5m2", dtype=f32),
-    "window_softcap": dict(batch=2, context=90, heads=4, kv_heads=2, head_dim=16, q_len=3, window=20, softcap=30.0, dtype=f32),
+    "bf16_pool_gqa8": dict(
+        batch=2, context=50, heads=8, kv_heads=1, head_dim=16, kv_dtype="bfloat16", dtype=f16
+    ),
+    "int8_q2": dict(
+        batch=2, context=70, heads=4, kv_heads=2, head_dim=32, q_len=2, kv_dtype="int8", dtype=f32
+    ),
+    "fp8_e4m3_splits": dict(
+        batch=1, context=600, heads=4, kv_heads=1, head_dim=16, kv_dtype="fp8_e4m3", dtype=f32
+    ),
+    "fp8_e5m2": dict(
+        batch=2,
+        context=30,
+        heads=2,
+        kv_heads=1,
+        head_dim=16,
+        q_len=4,
+        kv_dtype="fp8_e5m2",
+        dtype=f32,
+    ),
+    "window_softcap": dict(
+        batch=2,
+        context=90,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        q_len=3,
+        window=20,
+        softcap=30.0,
+        dtype=f32,
+    ),
 }
 for name, kw in attention.items():
     results[f"attention_{name}"] = sc.check_paged_attention("cpu", **kw)["max_err"]
@@ -47,7 +80,10 @@ def backend_against_torch(kv_cache_dtype: str) -> float:
     K/V, the kernel group's plan, and the reading of codes and scales in place."""
     torch.manual_seed(0)
     bs, hq, hkv, d, nb = 4, 4, 2, 16, 12
-    cache = KVCache(torch.zeros(1, 2, nb, bs, hkv, d, dtype=KVCache.storage_dtype(kv_cache_dtype, f32)), kv_cache_dtype)
+    cache = KVCache(
+        torch.zeros(1, 2, nb, bs, hkv, d, dtype=KVCache.storage_dtype(kv_cache_dtype, f32)),
+        kv_cache_dtype,
+    )
     k_cache, v_cache = cache.layers()[0]
     # Sequence 0 has 6 cached keys in blocks [5, 2], sequence 1 has 7 in [9, 0, 7]: write them.
     history = [(6, [5, 2]), (7, [9, 0, 7])]
@@ -57,15 +93,30 @@ def backend_against_torch(kv_cache_dtype: str) -> float:
         _write(v_cache, slots, torch.randn(n, hkv, d))
     q_lens, rows = [1, 3], 4
     ctx = [n + q for (n, _), q in zip(history, q_lens)]
-    slots = torch.tensor([history[0][1][6 // bs] * bs + 6 % bs] + [history[1][1][p // bs] * bs + p % bs for p in range(7, 10)])
+    slots = torch.tensor(
+        [history[0][1][6 // bs] * bs + 6 % bs]
+        + [history[1][1][p // bs] * bs + p % bs for p in range(7, 10)]
+    )
     q, k, v = torch.randn(rows, hq, d), torch.randn(rows, hkv, d), torch.randn(rows, hkv, d)
     tables = torch.tensor([[5, 2, 0], [9, 0, 7]])
     token_rows = torch.arange(rows)
     kernel = TritonAttention(d)  # (its supports() would say CUDA only: built here by hand)
-    kg = PaddedGroup(token_rows, torch.tensor([0, 3, 4, 5]), tables, None, 3, False, kernel=kernel.kernel,
-                     row_start=torch.tensor([0, 1]), q_lens=torch.tensor(q_lens), ctx_lens=torch.tensor(ctx))
+    kg = PaddedGroup(
+        token_rows,
+        torch.tensor([0, 3, 4, 5]),
+        tables,
+        None,
+        3,
+        False,
+        kernel=kernel.kernel,
+        row_start=torch.tensor([0, 1]),
+        q_lens=torch.tensor(q_lens),
+        ctx_lens=torch.tensor(ctx),
+    )
     saved = (cache.data.clone(), None if cache.scales is None else cache.scales.clone())
-    out = kernel.forward(q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, None, [], kg), 0.25)
+    out = kernel.forward(
+        q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, None, [], kg), 0.25
+    )
     cache.data.copy_(saved[0])
     if saved[1] is not None:
         cache.scales.copy_(saved[1])
@@ -73,12 +124,20 @@ def backend_against_torch(kv_cache_dtype: str) -> float:
     i = torch.arange(3).view(1, 1, -1, 1)
     ql, cl = torch.tensor(q_lens).view(-1, 1, 1, 1), torch.tensor(ctx).view(-1, 1, 1, 1)
     mask = (j <= cl - ql + i) | ((i >= ql) & (j == 0))
-    pg = PaddedGroup(token_rows, torch.tensor([0, 3, 4, 5]), tables, mask, 3, False,
-                     q_lens=torch.tensor(q_lens), ctx_lens=torch.tensor(ctx))
-    ref = TorchAttention(d).forward(q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, pg, []), 0.25)
+    pg = PaddedGroup(
+        token_rows,
+        torch.tensor([0, 3, 4, 5]),
+        tables,
+        mask,
+        3,
+        False,
+        q_lens=torch.tensor(q_lens),
+        ctx_lens=torch.tensor(ctx),
+    )
+    ref = TorchAttention(d).forward(
+        q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, pg, []), 0.25
+    )
     return (out - ref).abs().max().item()
-
-
 
 
 def context_chunk_against_torch(kv_cache_dtype: str, window: int | None) -> float:
@@ -86,7 +145,10 @@ def context_chunk_against_torch(kv_cache_dtype: str, window: int | None) -> floa
     TritonAttention's paged prefill tiles and through the torch backend's gather + mask."""
     torch.manual_seed(1)
     bs, hq, hkv, d, nb, cached, n = 8, 4, 2, 16, 12, 10, 40
-    cache = KVCache(torch.zeros(1, 2, nb, bs, hkv, d, dtype=KVCache.storage_dtype(kv_cache_dtype, f32)), kv_cache_dtype)
+    cache = KVCache(
+        torch.zeros(1, 2, nb, bs, hkv, d, dtype=KVCache.storage_dtype(kv_cache_dtype, f32)),
+        kv_cache_dtype,
+    )
     k_cache, v_cache = cache.layers()[0]
     table = [7, 3, 11, 0, 5, 9, 2]  # 50 keys in 7 shuffled blocks, the last one partial
     old = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)])
@@ -99,8 +161,18 @@ def context_chunk_against_torch(kv_cache_dtype: str, window: int | None) -> floa
     for backend in (TritonAttention(d), TorchAttention(d)):
         saved = (cache.data.clone(), None if cache.scales is None else cache.scales.clone())
         chunk = PrefillSlice(0, n, cached + n, torch.tensor(table), mask)
-        outs.append(backend.forward(q, k, v, k_cache, v_cache, AttentionMetadata(slots, bs, None, [chunk]),
-                                    0.25, window=window))
+        outs.append(
+            backend.forward(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                AttentionMetadata(slots, bs, None, [chunk]),
+                0.25,
+                window=window,
+            )
+        )
         cache.data.copy_(saved[0])
         if saved[1] is not None:
             cache.scales.copy_(saved[1])

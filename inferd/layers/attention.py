@@ -214,7 +214,7 @@ class AttentionBackend(ABC):
         """Write this step's K/V into the cache, then attend; returns [T, Hq, D]. A query at
         position p sees keys (p - window, p] (all up to p when `window` is None); with `softcap`
         its scores are soft-capped before the softmax."""
-        _, block_size, n_kv, d = k_cache.shape
+        _, _, n_kv, d = k_cache.shape
         if meta.mirror_rows is not None:  # before k and v are replaced by what is stored
             _write(k_cache, meta.mirror_slots, k.index_select(0, meta.mirror_rows))
             _write(v_cache, meta.mirror_slots, v.index_select(0, meta.mirror_rows))

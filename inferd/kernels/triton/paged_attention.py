@@ -47,16 +47,18 @@ def _load_kv(ptr, FMT: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,  # q [T, Hq, D]; pool [NB, BS, Hkv, D]; scales [NB, BS, Hkv]
-    row_start_ptr, q_len_ptr, ctx_ptr, table_ptr,  # [B], [B], [B], [B, W]
-    out_ptr, part_o_ptr, part_lse_ptr,  # out [T, Hq, D]; partials [T, Hq, S, D], [T, Hq, S]
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    row_start_ptr, q_len_ptr, ctx_ptr, table_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
     sm_scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
     num_q_tiles,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     FMT: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
+):  # fmt: skip
+    """q [T, Hq, D]; K/V pool [NB, BS, Hkv, D] and scales [NB, BS, Hkv]; row_start, q_len, ctx
+    [B]; block tables [B, W]; out [T, Hq, D]; partials [T, Hq, SPLITS, D] and [T, Hq, SPLITS]."""
     b = tl.program_id(0)
     kvh = tl.program_id(1) // num_q_tiles
     q_tile = tl.program_id(1) % num_q_tiles
@@ -136,7 +138,7 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, rows_ptr, stride_ot, stride_oh,
     HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-):
+):  # fmt: skip
     """out[t, h] = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M) over the splits of row t, head h."""
     t = tl.load(rows_ptr + tl.program_id(0))
     h = tl.program_id(1)
@@ -228,4 +230,3 @@ def paged_attention_short(
             SPLITS=splits,
         )  # fmt: skip
     return out
-

@@ -52,12 +52,13 @@ def _dequant_tile(w_ptr, s_ptr, m_ptr, n, n_ok, kk, K: tl.constexpr, GROUP: tl.c
 
 @triton.jit
 def _quant_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, m_ptr, y_ptr,  # x [M, K]; w, scales, mins as the module says; y [S, M, N]
+    x_ptr, w_ptr, s_ptr, m_ptr, y_ptr,
     M, N, stride_xm,
     K: tl.constexpr, GROUP: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
+):  # fmt: skip
+    """x [M, K]; the weight's data, scales and mins as the module docstring says; y [SPLIT_K, M, N]."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,14 +75,20 @@ def _quant_gemm_kernel(
             x_lo = tl.load(x_rows + k_lo[None, :], mask=m_ok[:, None], other=0.0).to(DOT_DTYPE)
             x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=m_ok[:, None], other=0.0)
             x_hi = x_hi.to(DOT_DTYPE)
-            w_lo = _dequant_tile(w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE)
-            w_hi = _dequant_tile(w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 1, x_dtype, DOT_DTYPE)
+            w_lo = _dequant_tile(
+                w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE
+            )
+            w_hi = _dequant_tile(
+                w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 1, x_dtype, DOT_DTYPE
+            )
             acc += tl.dot(x_lo, tl.trans(w_lo), input_precision=PRECISION)
             acc += tl.dot(x_hi, tl.trans(w_hi), input_precision=PRECISION)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0).to(DOT_DTYPE)
-            w = _dequant_tile(w_ptr, s_ptr, m_ptr, n, n_ok, kk, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE)
+            w = _dequant_tile(
+                w_ptr, s_ptr, m_ptr, n, n_ok, kk, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE
+            )
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     y = y_ptr + split * M * N + rm[:, None] * N + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

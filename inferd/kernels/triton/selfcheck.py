@@ -53,7 +53,10 @@ def check_paged_attention(
         k_ref, v_ref = k_pool.float(), v_pool.float()
     else:
         (k_pool, ks), (v_pool, vs) = quantize_kv(k, fmt), quantize_kv(v, fmt)
-        k_ref, v_ref = dequantize_kv(k_pool, ks, fmt, torch.float32), dequantize_kv(v_pool, vs, fmt, torch.float32)
+        k_ref, v_ref = (
+            dequantize_kv(k_pool, ks, fmt, torch.float32),
+            dequantize_kv(v_pool, vs, fmt, torch.float32),
+        )
         quant = {"k_scale": ks, "v_scale": vs, "kv_format": fmt.kernel_code}
     perm = torch.randperm(num_blocks, generator=g).tolist()
     width = max(nblk)
@@ -81,7 +84,9 @@ def check_paged_attention(
         kb = k_ref.index_select(0, blocks).view(-1, kv_heads, head_dim)[: ctx[b]]
         vb = v_ref.index_select(0, blocks).view(-1, kv_heads, head_dim)[: ctx[b]]
         qb = q[b * q_len : (b + 1) * q_len].float()
-        scores = torch.einsum("qhd,khd->hqk", qb, kb.repeat_interleave(heads // kv_heads, 1)) * scale
+        scores = (
+            torch.einsum("qhd,khd->hqk", qb, kb.repeat_interleave(heads // kv_heads, 1)) * scale
+        )
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         pos = torch.arange(ctx[b] - q_len, ctx[b], device=device)[:, None]
@@ -91,7 +96,8 @@ def check_paged_attention(
             visible &= j > pos - window
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         ref[b * q_len : (b + 1) * q_len] = torch.einsum(
-            "hqk,khd->qhd", p, vb.repeat_interleave(heads // kv_heads, 1))
+            "hqk,khd->qhd", p, vb.repeat_interleave(heads // kv_heads, 1)
+        )
     err = (out.float() - ref).abs().max().item()
     ms = _time_ms(run, device)
     elem = k_pool.element_size()
