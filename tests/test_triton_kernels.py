@@ -23,7 +23,7 @@ from inferd.layers.attention import TorchAttention, TritonAttention, select_atte
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# Interpreter tolerances: fp32 math throughout; a 16-bit output (fp16 / bf16 / f16 names) rounds once.
+# Interpreter tolerances: fp32 math; a 16-bit output (fp16 / bf16 / f16 in the name) rounds once.
 def _tolerance(name: str) -> float:
     return 2e-3 if any(t in name for t in ("fp16", "bf16", "f16")) else 1e-5
 
