@@ -48,6 +48,16 @@ def _signature(kernel, types: dict, constexprs: dict) -> dict:
     return {n: ("constexpr" if n in constexprs else types[n]) for n in names}
 
 
+def _compile(kernel, types: dict, constexprs: dict, num_warps: int = 4):
+    """`kernel` for sm_90 as a launch compiles it: pointers and strides 16-aligned (what triton
+    specializes on at run time, and what lets its pipeliner use async copies)."""
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+               if n.endswith("_ptr") or n.startswith("stride")}  # fmt: skip
+    sig = _signature(kernel, types, constexprs)
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
 def _attention_types(act: str, pool: str) -> dict:
     t = {n: "*i64" for n in ("row_start_ptr", "q_len_ptr", "ctx_ptr", "table_ptr")}
     t.update(q_ptr=f"*{act}", out_ptr=f"*{act}", k_ptr=f"*{pool}", v_ptr=f"*{pool}",
@@ -95,20 +105,19 @@ def test_attention_compiles_for_sm90(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[act]
     cfg = pa.launch_config(q_max, group, d, keys, prefill)
     warps = cfg.pop("num_warps")
+    dot_dtype, precision = pa.dot_dtypes(dtype, torch.device("cuda"))
     consts = dict(HKV=8 // min(group, 8), G=group, D=d, BS=16, SPLIT_KEYS=pa.SPLIT_KEYS, FMT=fmt,
-                  PRECISION=pa.dot_precision(dtype), HAS_WINDOW=window, HAS_SOFTCAP=softcap,
-                  **cfg)  # fmt: skip
-    sig = _signature(pa._paged_attention_kernel, _attention_types(act, pool), consts)
-    src = triton.compiler.ASTSource(fn=pa._paged_attention_kernel, signature=sig, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert compiled.asm["ptx"] and compiled.metadata.num_warps == warps
+                  DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_WINDOW=window,
+                  HAS_SOFTCAP=softcap, **cfg)  # fmt: skip
+    compiled = _compile(pa._paged_attention_kernel, _attention_types(act, pool), consts, warps)
+    assert compiled.metadata.num_warps == warps
+    if pool == act != "fp32":  # K/V tiles go to the dot as loaded: async copies, pipelined
+        assert "cp.async" in compiled.asm["ptx"]
     if consts["SPLITS"] > 1:
         merge = dict(HQ=32, D=d, SPLITS=consts["SPLITS"])
         types = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{act}", rows_ptr="*i64",
                      stride_ot="i32", stride_oh="i32")  # fmt: skip
-        sig = _signature(pa._merge_splits_kernel, types, merge)
-        src = triton.compiler.ASTSource(fn=pa._merge_splits_kernel, signature=sig, constexprs=merge)
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert _compile(pa._merge_splits_kernel, types, merge).asm["ptx"]
 
 
 # (activations, format, group, M, N, K): decodes and prefill tiles of 8B-shaped projections.
@@ -134,9 +143,7 @@ def test_quant_gemm_compiles_for_sm90(act, fmt, group, m, n, k):
     out = act if cfg["SPLIT_K"] == 1 else "fp32"
     types = dict(x_ptr=f"*{act}", w_ptr=data, s_ptr=scales, m_ptr=scales, y_ptr=f"*{out}",
                  M="i32", N="i32", stride_xm="i32")  # fmt: skip
-    sig = _signature(qg._quant_gemm_kernel, types, consts)
-    src = triton.compiler.ASTSource(fn=qg._quant_gemm_kernel, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert _compile(qg._quant_gemm_kernel, types, consts).asm["ptx"]
 
 
 def test_cuda_selects_the_triton_backend(caplog):

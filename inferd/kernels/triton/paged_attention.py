@@ -15,7 +15,7 @@ SPLIT_KEYS: a long context spreads over many programs even at batch 1, and a sec
 the splits through their log-sum-exps. The split size is fixed, and nothing about the launch
 depends on ctx values (only on tensor shapes and `q_max`), so the host never reads the device.
 Scores and softmax are fp32; codes of a quantized cache enter the dot as exact small floats and
-their scales multiply the scores (K) and the probabilities (V).
+their scales multiply the scores (K) and the probabilities (V) (`dot_dtypes` for the products).
 """
 
 from __future__ import annotations
@@ -32,17 +32,18 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _load_kv(ptr, FMT: tl.constexpr):
-    """A tile of K or V as fp32: the float pool's values, or a quantized pool's codes."""
+def _load_kv(ptr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A tile of K or V as DOT_DTYPE: the float pool's values, or a quantized pool's codes (exact
+    in fp16 / bf16). A pool already in DOT_DTYPE goes to the dot as loaded, so it pipelines."""
     x = tl.load(ptr)
     if FMT == 0:
-        return x.to(tl.int8, bitcast=True).to(tl.float32)
+        return x.to(tl.int8, bitcast=True).to(DOT_DTYPE)
     elif FMT == 1:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return x.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
     elif FMT == 2:
-        return x.to(tl.float8e5, bitcast=True).to(tl.float32)
+        return x.to(tl.float8e5, bitcast=True).to(DOT_DTYPE)
     else:
-        return x.to(tl.float32)
+        return x.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def _paged_attention_kernel(
     num_q_tiles,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    FMT: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """q [T, Hq, D]; K/V pool [NB, BS, Hkv, D] and scales [NB, BS, Hkv]; row_start, q_len, ctx
     [B]; block tables [B, W]; out [T, Hq, D]; partials [T, Hq, SPLITS, D] and [T, Hq, SPLITS]."""
@@ -76,8 +77,8 @@ def _paged_attention_kernel(
     t = row0 + tl.where(row_ok, i, 0)
     pos = ctx - q_len + i  # each query's own position: it sees keys [0, pos]
     q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    # Scores in base 2 (exp2); q stays unscaled so that 16-bit queries enter a tf32 dot exactly.
+                mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)  # fmt: skip
+    # Scores in base 2 (exp2), scaled after the dot: q enters it as stored.
     qk_scale = sm_scale if HAS_SOFTCAP else sm_scale * LOG2E
 
     # Keys of this split that some row of the tile may see.
@@ -91,17 +92,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    # A while loop, not range(lo, hi): the interpreter cannot take tensor bounds for range
-    # under numpy >= 2.4 (its scalars are 1-element arrays), and the tests run it.
-    start = lo
-    while start < hi:
+    for start in range(lo, hi, BLOCK_N):  # a for loop: the compiler pipelines its loads
         j = start + n_off  # key positions
         key_ok = j < hi
         jj = tl.where(key_ok, j, 0)
         block = tl.load(table_ptr + b * stride_tb + jj // BS, mask=key_ok, other=0)
         slot = block.to(tl.int64) * BS + jj % BS
         kv_off = (slot * HKV + kvh)[:, None] * D + d[None, :]
-        k = _load_kv(k_ptr + kv_off, FMT)  # [BLOCK_N, D]; masked keys read slot 0 of block 0
+        k = _load_kv(k_ptr + kv_off, FMT, DOT_DTYPE)  # [BLOCK_N, D]; masked keys: slot 0 of block 0
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if FMT >= 0:
             s = s * tl.load(ks_ptr + slot * HKV + kvh)[None, :]
@@ -117,12 +115,11 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(v_ptr + kv_off, FMT)
+        v = _load_kv(v_ptr + kv_off, FMT, DOT_DTYPE)
         if FMT >= 0:
             p = p * tl.load(vs_ptr + slot * HKV + kvh)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
-        start += BLOCK_N
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLITS == 1:
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -152,10 +149,20 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tf32 tensor cores for 16-bit queries (exact for them and for every K/V storage; only the
-    probabilities round, as flash attention's do to 16 bits); full fp32 for an fp32 model."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_dtypes(dtype: torch.dtype, device: torch.device) -> tuple:
+    """(DOT_DTYPE, PRECISION) for queries of `dtype`. On CUDA 16-bit queries meet K/V in their own
+    dtype on the tensor cores (codes of a quantized pool are exact there; the probabilities round
+    to 16 bits, as flash attention's do); an fp32 model gets full fp32 products. Under the
+    interpreter (CPU tensors) 16-bit values go into a tf32 dot, which takes them exactly as well:
+    its bf16 arithmetic is wrong."""
+    if dtype == torch.float32:
+        return tl.float32, "ieee"
+    if device.type == "cuda":
+        return _TL_DTYPES[dtype], "tf32"
+    return tl.float32, "tf32"
 
 
 def launch_config(q_max: int, group: int, head_dim: int, max_keys: int,
@@ -205,6 +212,7 @@ def paged_attention_short(
     group = n_heads // n_kv
     num_entries, width = block_tables.shape
     cfg = launch_config(q_max, group, d, width * bs, prefill)
+    dot_dtype, precision = dot_dtypes(q.dtype, q.device)
     q_tiles = triton.cdiv(q_max, cfg["BLOCK_Q"])
     splits = cfg["SPLITS"]
     part_o = part_lse = out  # unused placeholders when one split covers every key
@@ -221,7 +229,7 @@ def paged_attention_short(
         out, part_o, part_lse, scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), q_tiles,
         HKV=n_kv, G=group, D=d, BS=bs, SPLIT_KEYS=SPLIT_KEYS, FMT=kv_format,
-        PRECISION=dot_precision(q.dtype),
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, **cfg,
     )  # fmt: skip
     if splits > 1:
