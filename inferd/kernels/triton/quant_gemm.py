@@ -7,9 +7,9 @@
   [N, K / group]: w = q · s + min;
 - "fp8": float8_e4m3fn bits [N, K], fp32 scales [N, K / group]: w = e4m3(q) · s.
 
-Each program dequantizes a [BLOCK_N, BLOCK_K] tile of the weight in registers to x's dtype (the
-rounding `F.linear(x, dequantize(w).to(x.dtype))` makes, so the PyTorch path is the reference)
-and accumulates `tl.dot`s in fp32. An int4 tile is taken as its low and high nibbles, each
+Each program dequantizes a [BLOCK_N, BLOCK_K] tile of the weight in registers (one scale load per
+32-weight block) to x's dtype (the rounding `F.linear(x, dequantize(w).to(x.dtype))` makes, so
+the PyTorch path is the reference) and accumulates `tl.dot`s in fp32. An int4 tile is taken as its low and high nibbles, each
 multiplied by the matching columns of x: two dots and no interleaving. Small M (decodes) splits
 K over programs so that a GEMV fills the GPU; the partial sums are added in a fixed order.
 """
@@ -26,28 +26,19 @@ FORMATS = ("int8", "int4", "fp8")
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, m_ptr, n, n_ok, kk, K: tl.constexpr, GROUP: tl.constexpr,
-                  FMT: tl.constexpr, NIBBLE: tl.constexpr, X_DTYPE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):  # fmt: skip
-    """Weights of rows `n` [BLOCK_N] at columns `kk` [BLOCK_*] (int4: byte columns, NIBBLE 0/1
-    picks the low/high weights they hold), rounded to x's dtype, as DOT_DTYPE: [BLOCK_N, BLOCK_*]."""
-    mask = n_ok[:, None]
-    if FMT == "int4":
-        raw = tl.load(w_ptr + n[:, None] * (K // 2) + kk[None, :], mask=mask, other=0)
-        k = (kk // 16) * 32 + kk % 16 + NIBBLE * 16  # the weight index the nibble holds
-        q = ((raw >> (4 * NIBBLE)) & 0x0F).to(tl.float32)
-    else:
-        raw = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=mask, other=0)
-        k = kk
-        if FMT == "int8":
-            q = raw.to(tl.float32)
-        else:
-            q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    g = n[:, None] * (K // GROUP) + (k // GROUP)[None, :]
-    w = q * tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
-    if FMT == "int4":
-        w += tl.load(m_ptr + g, mask=mask, other=0.0).to(tl.float32)
-    return w.to(X_DTYPE).to(DOT_DTYPE)
+def _block_scales(ptr, n, n_ok, k0, K: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr):
+    """The scale (or min) of each 32-weight block of rows `n` [BLOCK_N] from column k0 on:
+    [BLOCK_N, NB] fp32, one load per block rather than one per weight."""
+    g = (k0 // 32 + tl.arange(0, NB)) * 32 // GROUP
+    return tl.load(ptr + n[:, None] * (K // GROUP) + g[None, :], mask=n_ok[:, None], other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _per_weight(s, BLOCK_N: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    """Block values s [BLOCK_N, NB] repeated over their W weights: [BLOCK_N, NB * W]."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NB, W]), [BLOCK_N, NB * W])
 
 
 @triton.jit
@@ -65,30 +56,34 @@ def _quant_gemm_kernel(
     m_ok, n_ok = rm < M, n < N
     x_rows = x_ptr + rm[:, None] * stride_xm
     x_dtype = x_ptr.dtype.element_ty
+    NB: tl.constexpr = BLOCK_K // 32  # 32-weight blocks per tile
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     K_SPLIT: tl.constexpr = K // SPLIT_K
     for kt in range(0, K_SPLIT, BLOCK_K):  # static bounds: pipelined (and the interpreter's)
         k0 = split * K_SPLIT + kt
+        scale = _block_scales(s_ptr, n, n_ok, k0, K, GROUP, NB)
         if FMT == "int4":
-            c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of this tile
+            # Byte c of the tile holds weights k_lo (low nibble) and k_lo + 16 (high nibble).
+            c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             k_lo = (c // 16) * 32 + c % 16
+            raw = tl.load(w_ptr + n[:, None] * (K // 2) + c[None, :], mask=n_ok[:, None], other=0)
+            scale = _per_weight(scale, BLOCK_N, NB, 16)
+            mins = _per_weight(_block_scales(m_ptr, n, n_ok, k0, K, GROUP, NB), BLOCK_N, NB, 16)
+            w_lo = ((raw & 0x0F).to(tl.float32) * scale + mins).to(x_dtype).to(DOT_DTYPE)
+            w_hi = ((raw >> 4).to(tl.float32) * scale + mins).to(x_dtype).to(DOT_DTYPE)
             x_lo = tl.load(x_rows + k_lo[None, :], mask=m_ok[:, None], other=0.0).to(DOT_DTYPE)
             x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=m_ok[:, None], other=0.0)
-            x_hi = x_hi.to(DOT_DTYPE)
-            w_lo = _dequant_tile(
-                w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE
-            )
-            w_hi = _dequant_tile(
-                w_ptr, s_ptr, m_ptr, n, n_ok, c, K, GROUP, FMT, 1, x_dtype, DOT_DTYPE
-            )
             acc += tl.dot(x_lo, tl.trans(w_lo), input_precision=PRECISION)
-            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision=PRECISION)
+            acc += tl.dot(x_hi.to(DOT_DTYPE), tl.trans(w_hi), input_precision=PRECISION)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
+            raw = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0)
+            if FMT == "int8":
+                q = raw.to(tl.float32)
+            else:
+                q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            w = (q * _per_weight(scale, BLOCK_N, NB, 32)).to(x_dtype).to(DOT_DTYPE)
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0).to(DOT_DTYPE)
-            w = _dequant_tile(
-                w_ptr, s_ptr, m_ptr, n, n_ok, kk, K, GROUP, FMT, 0, x_dtype, DOT_DTYPE
-            )
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     y = y_ptr + split * M * N + rm[:, None] * N + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
