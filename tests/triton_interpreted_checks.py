@@ -75,6 +75,9 @@ attention = {
         softcap=30.0,
         dtype=f32,
     ),
+    "prefill_tiles": dict(
+        batch=1, context=70, heads=4, kv_heads=2, head_dim=16, q_len=40, prefill=True, dtype=f32
+    ),
 }
 for name, kw in attention.items():
     results[f"attention_{name}"] = sc.check_paged_attention("cpu", **kw)["max_err"]

@@ -29,13 +29,14 @@ def _time_ms(fn, device: torch.device) -> float:
 def check_paged_attention(
     device: str | torch.device, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
     kv_dtype: str = "auto", q_len: int = 1, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-    window: int | None = None, softcap: float | None = None, seed: int = 0,
+    window: int | None = None, softcap: float | None = None, prefill: bool = False, seed: int = 0,
 ) -> dict:  # fmt: skip
     """`batch` sequences of about `context` keys (each a few shorter than the last, so last blocks
     are partial) with `q_len` query rows each, K/V in shuffled blocks of a pool stored as
     `kv_dtype` ("auto": `dtype`; "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2").
-    Returns max_err against fp32 attention over the stored (dequantized) K/V, ms, gbps (K/V
-    bytes read per second)."""
+    `prefill`: the tiles of a long chunk after cached context (one entry, no key split). Returns
+    max_err against fp32 attention over the stored (dequantized) K/V, ms, gbps (K/V bytes read
+    per second)."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(seed)  # block placement
     gd = torch.Generator(device=device).manual_seed(seed)  # values: made where they are used
@@ -75,7 +76,8 @@ def check_paged_attention(
 
     def run():
         pa.paged_attention_short(q, k_pool, v_pool, row_start, q_lens, ctx_lens, tables, out,
-                                 scale, q_len, rows, window=window, softcap=softcap, **quant)  # fmt: skip
+                                 scale, q_len, rows, window=window, softcap=softcap,
+                                 prefill=prefill, **quant)  # fmt: skip
 
     run()
     ref = torch.empty(t, heads, head_dim, device=device)
