@@ -68,7 +68,7 @@ PARITY_NEW_TOKENS = 32
 # Llama-3-8B's shape; the CPU dry run keeps the vocabulary and shrinks the rest.
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                 num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
-LLAMA_8B_MINI = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+LLAMA_8B_MINI = dict(LLAMA_8B, vocab_size=32000, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=64)  # fmt: skip
 
 
@@ -286,16 +286,17 @@ def parity(device: torch.device, work: Path) -> dict[str, Any]:
     return {"ok": tokens == ref["tokens"], "sequences": len(tokens), "first_differing_token": first_diff}
 
 
-def speculation(device: torch.device, work: Path) -> dict[str, Any]:
+def speculation(device: torch.device, quick: bool, work: Path) -> dict[str, Any]:
     from inferd import LLM
 
     path, _ = parity_model(work)
     common = dict(device=str(device), dtype="float32", quantization="none", verbose=False, seed=0)
     plain = greedy_tokens(LLM(str(path), **common), PARITY_PROMPTS, PARITY_NEW_TOKENS)
     release(device)
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+    spec = {"method": "ngram", "num_speculative_tokens": 2 if quick else 4, "prompt_lookup_max": 3,
             "disable_by_batch_size": 64}  # fmt: skip
-    llm = LLM(str(path), speculative_config=spec, **common)
+    # max_num_seqs bounds the batch sizes the start-up calibration of speculation times.
+    llm = LLM(str(path), speculative_config=spec, max_num_seqs=len(PARITY_PROMPTS), **common)
     drafted = greedy_tokens(llm, PARITY_PROMPTS, PARITY_NEW_TOKENS)
     stats = llm.engine.stats
     accepted = stats.spec_accepted_tokens
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = env.get("copy_bandwidth_gbs")
     report.run("triton", lambda: triton_kernels(device, args.quick, bandwidth), needs_s=20)
     report.run("parity", lambda: parity(device, work), needs_s=15)
-    report.run("speculation", lambda: speculation(device, work), needs_s=15)
+    report.run("speculation", lambda: speculation(device, args.quick, work), needs_s=15)
     report.run("memory_plan", lambda: memory_plan(device, args.quick, work), needs_s=30)
     report.run("step_time", lambda: step_time(device, args.quick, work, bandwidth), needs_s=60)
     report.run("syncs", lambda: syncs_per_step(device, args.quick, work), needs_s=30)
