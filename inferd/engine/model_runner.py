@@ -151,6 +151,12 @@ class ModelRunner:
         if self.kv_prefaulter is not None:
             self.kv_prefaulter.wait(timeout)
 
+    def resize_kv(self, num_blocks: int) -> None:
+        """A pool of `num_blocks` in place of the current one (the start-up plan replaces the
+        profiling pool); the caller guarantees no block is in use."""
+        self.num_blocks = num_blocks
+        self.release_kv_pages()
+
     def release_kv_pages(self) -> None:
         """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it);
         the caller guarantees no block is in use. Start-up calibration writes and reads much of
