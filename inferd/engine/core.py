@@ -129,7 +129,7 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
                                    clock=lambda: self.clock())  # fmt: skip
-        self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids, self.runner.readbacks)
         self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
         # shared with other jobs may set time.process_time (one thread) to time work, not waits.

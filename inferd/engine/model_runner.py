@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.engine.readbacks import HostReadbacks
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
@@ -124,6 +125,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_prefault = kv_cache_prefault
         self.kv_prefaulter: KVPrefaulter | None = None
+        # Device→host reads of the step (the sampler's and the verifier's): one per decode step.
+        self.readbacks = HostReadbacks()
         self._allocate_kv()
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
