@@ -39,6 +39,7 @@ from inferd.layers.weight_arena import gather_weights
 from inferd.models.interface import CausalLM
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
+from inferd.slow_paths import warn_slow_path
 
 # Allocations this large come from a fresh anonymous mmap on Linux, which the kernel fills with
 # zeros lazily; torch.zeros would touch every page up front (7 s for 4 GiB here). Smaller ones,
@@ -131,6 +132,10 @@ class ModelRunner:
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
         self.attention_kernel = model.attention_backend.kernel if use_attention_kernel else None
+        if self.attention_kernel is None and use_attention_kernel:
+            warn_slow_path(f"padded-attention-{device.type}", "no paged attention kernel for %s on %s: "
+                           "every decode copies each sequence's whole context out of the KV pool "
+                           "into a masked SDPA call", str(dtype).removeprefix("torch."), device.type)  # fmt: skip
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
         if device.type == "cpu":
