@@ -68,3 +68,22 @@ def test_engine_pool_is_its_plan_and_counts_the_draft(tiny_llama_gguf, caplog):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 16
     engine.check_no_leaks()
+
+
+def test_profiling_step_fits_its_pool(tiny_models):
+    """The step CUDA's plan profiles (its peak memory is measured there) runs on the pool
+    `profile_blocks` sizes: every sequence samples a row, and the pool is left free."""
+    from inferd.engine.memory_plan import profile_blocks, run_profiling_step
+    from inferd.engine.model_runner import ModelRunner
+    from inferd.kv.kv_groups import KVLayout
+    from inferd.loader import load_model
+    from inferd.models import build_model, model_spec
+
+    loaded = load_model(str(tiny_models["llama-f32.gguf"].path), verbose=False, quantization="none")
+    cfg = loaded.config
+    model = build_model(cfg, loaded.weights, max_positions=256, dtype=torch.float32, device=CPU)
+    layout = KVLayout.of(model_spec(cfg), hybrid=True)
+    runner = ModelRunner(model, cfg, profile_blocks(200, 8, 16, layout.num_groups), 16, torch.float32, CPU,
+                         layout=layout, use_attention_kernel=False)  # fmt: skip
+    assert run_profiling_step(runner, 200, 8) == 8
+    assert run_profiling_step(runner, 5, 8) == 5  # never more sequences than tokens

@@ -124,16 +124,27 @@ def profile_blocks(num_tokens: int, num_seqs: int, block_size: int, num_groups: 
 
 
 def profile_activation_bytes(runner, num_tokens: int, num_seqs: int, vocab_size: int) -> int:
-    """Peak CUDA memory one forward of the largest step allocates beyond what is held before it:
-    `num_seqs` sequences sharing `num_tokens` prompt tokens (one long prefill and single-token
-    prompts), each sampling a row, on the runner's (profiling) pool; plus the sampler's fp32
-    softmax over those rows, which the forward does not allocate."""
+    """Peak CUDA memory one forward of the largest step (`run_profiling_step`) allocates beyond
+    what is held before it, plus the sampler's fp32 softmax over its rows, which the forward does
+    not allocate."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    rows = run_profiling_step(runner, num_tokens, num_seqs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before + 2 * rows * vocab_size * 4
+
+
+def run_profiling_step(runner, num_tokens: int, num_seqs: int) -> int:
+    """One forward on the runner's (profiling) pool of `num_seqs` sequences sharing `num_tokens`
+    prompt tokens (one long prefill and single-token prompts), each sampling a row; returns the
+    number of logits rows. The pool is left as it was found: every block free."""
     from inferd.kv.kv_cache_manager import KVCacheManager
     from inferd.sampling.params import SamplingParams
     from inferd.scheduler.scheduler import SchedulerOutput
     from inferd.scheduler.sequence import Sequence
 
-    device = runner.device
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [num_tokens - num_seqs + 1] + [1] * (num_seqs - 1)
     kv = KVCacheManager(runner.num_blocks, runner.block_size, False, runner.layout)
@@ -143,12 +154,7 @@ def profile_activation_bytes(runner, num_tokens: int, num_seqs: int, vocab_size:
         if not kv.allocate_slots(seq.seq_id, 0, n):
             raise RuntimeError("the profiling pool is too small for the profiling step")  # never expected
         seqs.append(seq)
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    runner.execute(SchedulerOutput.of([(s, s.num_tokens) for s in seqs], kv))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    logits, _, _ = runner.execute(SchedulerOutput.of([(s, s.num_tokens) for s in seqs], kv))
     for s in seqs:
         kv.free(s.seq_id)
-    return peak + 2 * num_seqs * vocab_size * 4
+    return logits.shape[0]
