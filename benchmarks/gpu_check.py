@@ -17,6 +17,7 @@ Sections, each skipped with a line when the time budget is spent or what it need
                 1/8/32 against the weight-bytes bandwidth limit, CUDA graphs against eager
   syncs         host syncs (CUDA sync debug mode), device->host readbacks and kernel launches of
                 one decode step
+  cuda_graphs   one decode step's forward of that model, eager against a CUDA graph replay of it
 
 Output: progress lines on stdout; `summary.json` and `summary.md` in $OUT (default ./gpu_check_out),
 rewritten after every section so a run cut short still leaves what it measured. `--device cpu
@@ -424,6 +425,77 @@ def step_time(device: torch.device, quick: bool, work: Path, bandwidth_gbs: floa
     return result
 
 
+def graph_vs_eager(device: torch.device, quick: bool, work: Path) -> dict[str, Any]:
+    """One decode step's forward (the model and its logits, no sampling) at a fixed batch and
+    context, eager against a CUDA graph captured of the very same step and replayed: what
+    capturing decode steps would save (the engine does not capture yet). Replayed logits must
+    equal eager ones."""
+    from inferd.kv.kv_cache_manager import KVCacheManager
+    from inferd.sampling.params import SamplingParams
+    from inferd.scheduler.scheduler import SchedulerOutput
+    from inferd.scheduler.sequence import Sequence
+
+    engine, _ = build_8b_engine(device, quick, work, kv_cache_memory=4 << 30 if not quick else 64 << 20)
+    runner, model = engine.runner, engine.runner.model
+    context, iters = (64, 3) if quick else (512, 20)
+    result: dict[str, Any] = {}
+    for b in (1, 4) if quick else (1, 8, 32):
+        kv = KVCacheManager(runner.num_blocks, runner.block_size, False, runner.layout)
+        seqs = []
+        for r in range(b):
+            seq = Sequence("graph", 0, [1 + (r * 7 + t) % 300 for t in range(context)], context,
+                           SamplingParams(max_tokens=None))  # fmt: skip
+            kv.allocate_slots(seq.seq_id, 0, context)
+            seq.num_computed_tokens = context - 1  # its last token decodes; the pool's K/V are zeros
+            seqs.append(seq)
+        step = runner.prepare(SchedulerOutput.of([(s, 1) for s in seqs], kv))
+
+        def forward() -> torch.Tensor:
+            hidden = model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+            return model.compute_logits(hidden)
+
+        entry: dict[str, Any] = {}
+        with torch.inference_mode():
+            for _ in range(2):
+                eager_logits = forward()
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                forward()
+            synchronize(device)
+            entry["eager_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 3)
+            if device.type != "cuda":
+                entry["graph"] = "CUDA only"
+            else:
+                try:
+                    side = torch.cuda.Stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        forward()  # warm-up on a side stream, as capture wants
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        graph_logits = forward()
+                    graph.replay()
+                    synchronize(device)
+                    entry["replay_max_abs_diff"] = float((graph_logits - eager_logits).abs().max())
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        graph.replay()
+                    synchronize(device)
+                    entry["graph_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 3)
+                    entry["speedup"] = round(entry["eager_ms"] / entry["graph_ms"], 2)
+                    del graph
+                except Exception as e:  # a host sync inside the forward makes capture fail
+                    entry["graph"] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
+        for s in seqs:
+            kv.free(s.seq_id)
+        result[f"batch {b}, context {context}"] = entry
+    del engine, runner, model
+    release(device)
+    return result
+
+
 def syncs_per_step(device: torch.device, quick: bool, work: Path) -> dict[str, Any]:
     engine, _ = build_8b_engine(device, quick, work, kv_cache_memory=1 << 30 if not quick else 64 << 20)
     decode_step_times(engine, 4, 2)  # warm up: first-use allocations and captures
@@ -517,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     report.run("memory_plan", lambda: memory_plan(device, args.quick, work), needs_s=30)
     report.run("step_time", lambda: step_time(device, args.quick, work, bandwidth), needs_s=60)
     report.run("syncs", lambda: syncs_per_step(device, args.quick, work), needs_s=30)
+    report.run("cuda_graphs", lambda: graph_vs_eager(device, args.quick, work), needs_s=30)
     from inferd.kernels.quant_gemm import extension
 
     report.say(f"inferd's CPU kernels were {'loaded' if extension.cache_info().currsize else 'not needed'} in this run")

@@ -31,7 +31,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory):
 def test_every_section_runs_on_the_cpu(dry_run):
     proc, sections = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert list(sections) == ["environment", "triton", "parity", "speculation", "memory_plan", "step_time", "syncs"]
+    assert list(sections) == ["environment", "triton", "parity", "speculation", "memory_plan", "step_time", "syncs",
+                              "cuda_graphs"]
     try:
         import inferd.kernels.triton.selfcheck  # noqa: F401
         expected_triton = "ok"
@@ -45,6 +46,9 @@ def test_every_section_runs_on_the_cpu(dry_run):
     assert sections["parity"]["result"]["first_differing_token"] == [None] * 4
     assert sections["speculation"]["result"]["draft_tokens"] > 0
     assert {"default batch 1", "default batch 4"} <= set(sections["step_time"]["result"])
+    assert sections["syncs"]["result"]["readbacks_per_decode_step"] == 1
+    graphs = sections["cuda_graphs"]["result"]["batch 4, context 64"]
+    assert graphs["eager_ms"] > 0 and graphs["graph"] == "CUDA only"
     assert "[gpu_check +" in proc.stdout and "summary in" in proc.stdout
     assert (Path(proc.args[proc.args.index("--out") + 1]) / "summary.md").read_text().startswith("# inferd GPU check")
 
@@ -54,4 +58,4 @@ def test_the_budget_skips_the_sections_left(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sections["environment"]["status"] == "ok"
     assert all(sections[n]["status"] == "skipped" and "budget" in sections[n]["note"]
-               for n in ("parity", "speculation", "memory_plan", "step_time", "syncs"))  # fmt: skip
+               for n in ("parity", "speculation", "memory_plan", "step_time", "syncs", "cuda_graphs"))  # fmt: skip
