@@ -351,8 +351,10 @@ def build_8b_engine(device: torch.device, quick: bool, work: Path, **engine_args
     path, _ = parity_model(work)
     tokenizer = load_model(str(path), verbose=False, quantization="none").tokenizer
     loaded = LoadedModel(cfg, weights, tokenizer, "in memory", f"random {dtype}".replace("torch.", ""))
+    # No KV prefault thread (CPU pools): one still faulting pages in when the process exits
+    # aborts it ("terminate called without an active exception").
     args = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), quantization="none",
-                max_num_seqs=64, max_model_len=2048, **engine_args)  # fmt: skip
+                max_num_seqs=64, max_model_len=2048, kv_cache_prefault=0, **engine_args)  # fmt: skip
     engine = EngineCore(LLM.engine_config(None, **args), loaded=loaded, verbose=False)
     del loaded, weights
     release(device)
