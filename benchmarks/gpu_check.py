@@ -602,4 +602,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written: skip the interpreter's teardown, where a native thread still alive
+    # (a KV prefault, a kernel pool) can abort the process and turn a good run into a crash.
+    os._exit(code)
