@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import torch  # noqa: E402
+import torch
 
 REFERENCE = Path(__file__).resolve().parent / "gpu_reference.json"
 
@@ -452,7 +452,7 @@ def graph_vs_eager(device: torch.device, quick: bool, work: Path) -> dict[str, A
             seqs.append(seq)
         step = runner.prepare(SchedulerOutput.of([(s, 1) for s in seqs], kv))
 
-        def forward() -> torch.Tensor:
+        def forward(step=step) -> torch.Tensor:
             hidden = model(step.input_ids, step.positions, runner.kv_caches, step.meta)
             return model.compute_logits(hidden)
 
@@ -493,7 +493,7 @@ def graph_vs_eager(device: torch.device, quick: bool, work: Path) -> dict[str, A
         for s in seqs:
             kv.free(s.seq_id)
         result[f"batch {b}, context {context}"] = entry
-    del engine, runner, model
+    del engine
     release(device)
     return result
 
