@@ -211,6 +211,27 @@ def _kv_hybrid_row(cfg, spec, dtype, context: int = 8192) -> str:
     return f"{hybrid:,.0f} B/token (hybrid: {held}), {full:,.0f} without · {layout.describe()}"
 
 
+def _memory_plan_row(loaded, device, dtype) -> str:
+    """What `inferd serve` on `device` with default flags would plan (inferd/engine/memory_plan.py),
+    the activations estimated from the shapes (serving measures them with a profiling forward)."""
+    from inferd.config import CacheConfig, SchedulerConfig
+    from inferd.engine.memory_plan import estimate_activation_bytes, plan_kv_memory
+    from inferd.kv.kv_cache import kv_bytes_per_token
+    from inferd.quantization.policy import weight_bytes_by_mode
+
+    cfg, cache, sched = loaded.config, CacheConfig(), SchedulerConfig()
+    weights = weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings)["auto"]
+    per_token = kv_bytes_per_token(cfg, dtype)
+    try:
+        plan = plan_kv_memory(cache, device, weight_bytes=weights, to_load_bytes=weights,
+                              activation_bytes=estimate_activation_bytes(
+                                  cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs),
+                              activation_source="estimated", bytes_per_block=per_token * cache.block_size)  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return f"{plan.describe()} ≈ {plan.num_blocks * cache.block_size:,} tokens (default flags, -q auto)"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
@@ -254,6 +275,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("resident weights", " · ".join(
             f"{m} {b / 2**20:.1f} MiB" for m, b in
             weight_bytes_by_mode(loaded.weights, cfg.tie_word_embeddings).items())),  # fmt: skip
+        ("memory plan", _memory_plan_row(loaded, device, dtype)),
         ("chat template", tokenizer_note or ("yes" if loaded.tokenizer.chat_template else "no")),
         ("torch", torch.__version__),
     ]

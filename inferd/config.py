@@ -186,9 +186,10 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Bytes of KV cache; None means a fraction of free memory (gpu_memory_utilization).
+    # Bytes of the target's KV pool; None: planned after load (inferd/engine/memory_plan.py).
     kv_cache_memory: int | None = None
-    # Fraction of the device's *free* memory the KV cache may take when kv_cache_memory is None.
+    # Share of the GPU's total memory (the CPU's available memory) that weights, activations and
+    # the KV pools may take together when kv_cache_memory is None.
     gpu_memory_utilization: float = 0.9
     # Upper bound for the automatic size on CPU, where "free memory" is the whole machine's.
     max_auto_kv_cache_memory: int = 4 << 30

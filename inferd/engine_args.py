@@ -124,8 +124,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--kv-cache-prefault", "CPU: bytes of the KV pool kept faulted in ahead of the blocks in "
         "use, on idle CPU time (a page's first write otherwise pays the fault in a step); 0 = off "
         f"(default: {format_bytes(d('kv_cache_prefault'))})", type=parse_bytes)
-    add("--gpu-memory-utilization", "share of the device's free memory the KV cache may take "
-        "without --kv-cache-memory" + shown, type=float)
+    add("--gpu-memory-utilization", "share of the GPU's total memory (CPU: available memory) that "
+        "weights, activations and the KV pool take; the pool is planned after load unless "
+        "--kv-cache-memory" + shown, type=float)
     add("--max-num-seqs", "most sequences in one step" + shown, type=int)
     add("--max-num-batched-tokens", "token budget of one step (prefill chunks + decodes)" + shown,
         type=int)

@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget
 
-import inferd.kernels.triton as triton_kernels
+from inferd import slow_paths
 from inferd.kernels.triton import paged_attention as pa
 from inferd.kernels.triton import quant_gemm as qg
 from inferd.layers.attention import TorchAttention, TritonAttention, select_attention_backend
@@ -152,8 +152,8 @@ def test_cuda_selects_the_triton_backend(caplog):
     backend = select_attention_backend(cuda, torch.bfloat16, 128)
     assert isinstance(backend, TritonAttention) and backend.kernel is pa
     assert backend.kernel_max_query == 32
-    triton_kernels.warn_slow_path.cache_clear()  # once per process: make this test's the first
-    with caplog.at_level(logging.WARNING, logger="inferd.kernels"):
+    slow_paths._reported.clear()  # once per process: make this test's the first
+    with caplog.at_level(logging.WARNING, logger="inferd.engine"):
         odd = select_attention_backend(cuda, torch.bfloat16, 576)  # MLA's latent width
     assert odd.kernel is None and "head size 576" in caplog.text
     assert isinstance(

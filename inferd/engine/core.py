@@ -16,11 +16,17 @@ import numbers
 import threading
 import time
 
-import psutil
 import torch
 
 from inferd.config import EngineConfig, resolve_device, resolve_dtype
 from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.memory_plan import (
+    MemoryPlan,
+    estimate_activation_bytes,
+    plan_kv_memory,
+    profile_activation_bytes,
+    profile_blocks,
+)
 from inferd.engine.model_runner import ModelRunner, StepBatch
 from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.request import Request, RequestError
@@ -32,7 +38,7 @@ from inferd.kv.kv_groups import KVLayout
 from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model, model_spec
 from inferd.quantization.policy import describe as describe_quantization
-from inferd.quantization.policy import resident_weight_bytes
+from inferd.quantization.policy import resident_weight_bytes, weight_bytes_by_mode
 from inferd.sampling.params import SamplingParams
 from inferd.sampling.sampler import Sampler, TokenLogprob
 from inferd.scheduler.scheduler import SampledTokens, Scheduler, SchedulerOutput
@@ -61,25 +67,6 @@ def _warn_without_cpu_kernels(device: torch.device) -> None:
                        "on stderr); running the PyTorch path, several times slower")  # fmt: skip
 
 
-def _kv_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    cache = config.cache
-    if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1.0 - cache.gpu_memory_utilization))
-    else:
-        # The machine's available memory is shared with everything else: take a fraction, capped.
-        available = psutil.virtual_memory().available
-        budget = min(int(available * cache.gpu_memory_utilization * 0.5), cache.max_auto_kv_cache_memory)
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV cache budget of {budget} bytes is smaller than one block ({bytes_per_block} bytes)"
-        )
-    return num_blocks
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, verbose: bool = True) -> None:
         self.config = config
@@ -103,54 +90,102 @@ class EngineCore:
         layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
         bytes_per_block = (kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * layout.group_size
                            // mcfg.num_layers * block_size)  # fmt: skip
-        num_blocks = _kv_num_blocks(config, bytes_per_block, self.device)
-        # The longest sequence the pool holds (windowed groups hold their window and a step's
-        # queries only).
-        limit = max(mcfg.max_position_embeddings, config.scheduler.max_model_len or 0)
-        capacity = layout.max_tokens(num_blocks, block_size, config.scheduler.max_num_batched_tokens, limit)
+        # The model first, then the pool from what is left (inferd/engine/memory_plan.py). The
+        # rotary tables cover the longest context asked for; cut to the plan's below.
         wanted = config.scheduler.max_model_len
-        if wanted is not None and wanted > capacity:
-            raise ValueError(
-                f"--max-model-len {wanted} needs more KV cache than the pool holds ({capacity} "
-                "tokens); raise --kv-cache-memory or lower --max-model-len"
-            )
-        self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
-        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
-                                   clock=lambda: self.clock())  # fmt: skip
         try:
-            model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
+            model = build_model(mcfg, loaded.weights, max_positions=wanted or mcfg.max_position_embeddings,
                                 dtype=self.dtype, device=self.device,
                                 quantization=config.quantization,
                                 quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
-        self.runner = ModelRunner(model, mcfg, num_blocks, block_size, self.dtype, self.device,
+        sched = config.scheduler
+        profiling = self.device.type == "cuda" and config.cache.kv_cache_memory is None
+        first_blocks = (profile_blocks(sched.max_num_batched_tokens, sched.max_num_seqs, block_size,
+                                       layout.num_groups) if profiling else 1)  # fmt: skip
+        self.runner = ModelRunner(model, mcfg, first_blocks, block_size, self.dtype, self.device,
                                   kv_cache_dtype=kv_cache_dtype,
                                   kv_cache_prefault=config.cache.kv_cache_prefault,
                                   layout=layout)  # fmt: skip
-        self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
+        self.weight_bytes = resident_weight_bytes(model)
+        self._draft_loaded = self._load_draft()
+        self.memory_plan = self._plan_memory(bytes_per_block, layout, profiling)
+        num_blocks = self.memory_plan.num_blocks
+        self.runner.resize_kv(num_blocks)
+        # The longest sequence the pool holds (windowed groups hold their window and a step's
+        # queries only).
+        limit = max(mcfg.max_position_embeddings, wanted or 0)
+        capacity = layout.max_tokens(num_blocks, block_size, sched.max_num_batched_tokens, limit)
+        if wanted is not None and wanted > capacity:
+            raise ValueError(
+                f"--max-model-len {wanted} needs more KV cache than the pool holds ({capacity} "
+                "tokens); raise --kv-cache-memory or --gpu-memory-utilization, or lower "
+                "--max-model-len"
+            )
+        self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
+        if self.max_model_len != (wanted or mcfg.max_position_embeddings):
+            model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
+        self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
+                                   clock=lambda: self.clock())  # fmt: skip
+        self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids, self.runner.readbacks)
         self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
         # shared with other jobs may set time.process_time (one thread) to time work, not waits.
         self.clock = time.monotonic
         self.stats = EngineStats(num_total_blocks=num_blocks)
         self.stats_logger = StatsLogger(config.log_stats_interval)
-        self.weight_bytes = resident_weight_bytes(model)
         self._structured: StructuredOutputManager | None = None  # built on first use (~0.3 s)
         self._structured_lock = threading.Lock()
         self.spec: NoSpecDecoder = NoSpecDecoder()
         if config.speculative is not None:
             self.spec = SpecDecoder.build(self._proposer_context(), self.runner, kv,
                                           config.scheduler.max_num_seqs, self.stats)  # fmt: skip
+        self._draft_loaded = None  # the proposer holds what it kept of it
         _warn_without_cpu_kernels(self.device)
         if verbose:
+            logger.info("memory plan: %s", self.memory_plan.describe())
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s; %s)", num_blocks,
                         num_blocks * block_size * layout.group_size // mcfg.num_layers,
                         num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype),
                         layout.describe())  # fmt: skip
+
+    def _load_draft(self) -> LoadedModel | None:
+        """A draft model's weights, loaded before the plan so that it counts them and its pool."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_model(spec.model, verbose=False, quantization=spec.quantization or self.config.quantization)
+
+    def _plan_memory(self, bytes_per_block: int, layout: KVLayout, profiling: bool) -> MemoryPlan:
+        """The KV pool's size from what the loaded weights left (`plan_kv_memory`)."""
+        sched, mcfg = self.config.scheduler, self.model_config
+        num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        released = 0
+        if profiling:
+            activations = profile_activation_bytes(self.runner, num_tokens, num_seqs, mcfg.vocab_size)
+            released = self.runner.kv_cache.nbytes
+            source = "profiled"
+        else:
+            activations = estimate_activation_bytes(mcfg, self.dtype, num_tokens, num_seqs)
+            source = "estimated"
+        draft_per_block = draft_weights = 0
+        if self._draft_loaded is not None:
+            spec, draft = self.config.speculative, self._draft_loaded
+            mode = spec.quantization or self.config.quantization
+            draft_weights = weight_bytes_by_mode(draft.weights, draft.config.tie_word_embeddings)[mode]
+            if mode == "none":  # counted as fp32 there
+                draft_weights = draft_weights * self.dtype.itemsize // 4
+            # The draft's pool: as many tokens as the target's blocks of every layer hold.
+            draft_per_block = (kv_bytes_per_token(draft.config, self.dtype) * self.config.cache.block_size
+                               // layout.num_groups)  # fmt: skip
+        return plan_kv_memory(self.config.cache, self.device, weight_bytes=self.weight_bytes,
+                              activation_bytes=activations, activation_source=source,
+                              bytes_per_block=bytes_per_block, draft_bytes_per_block=draft_per_block,
+                              draft_weight_bytes=draft_weights, released_bytes=released)  # fmt: skip
 
     def _proposer_context(self) -> ProposerContext:
         c = self.config
@@ -164,6 +199,7 @@ class EngineCore:
             num_kv_blocks=max(1, self.kv.pool.num_blocks // self.kv.layout.num_groups),
             block_size=self.kv.block_size,
             enable_prefix_caching=c.cache.enable_prefix_caching,
+            draft_loaded=self._draft_loaded,
         )  # fmt: skip
 
     @property

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.engine.readbacks import HostReadbacks
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
@@ -39,6 +40,7 @@ from inferd.layers.weight_arena import gather_weights
 from inferd.models.interface import CausalLM
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
+from inferd.slow_paths import warn_slow_path
 
 # Allocations this large come from a fresh anonymous mmap on Linux, which the kernel fills with
 # zeros lazily; torch.zeros would touch every page up front (7 s for 4 GiB here). Smaller ones,
@@ -125,11 +127,17 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_prefault = kv_cache_prefault
         self.kv_prefaulter: KVPrefaulter | None = None
+        # Device→host reads of the step (the sampler's and the verifier's): one per decode step.
+        self.readbacks = HostReadbacks()
         self._allocate_kv()
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
         self.attention_kernel = model.attention_backend.kernel if use_attention_kernel else None
         self.kernel_max_query = model.attention_backend.kernel_max_query or sys.maxsize
+        if self.attention_kernel is None and use_attention_kernel:
+            warn_slow_path(f"padded-attention-{device.type}", "no paged attention kernel for %s on %s: "
+                           "every decode copies each sequence's whole context out of the KV pool "
+                           "into a masked SDPA call", str(dtype).removeprefix("torch."), device.type)  # fmt: skip
         if device.type == "cpu" and dtype == torch.float32:
             pack_quantized_weights(model)  # int8 / int4 into the VNNI kernels' tiles, in place
         if device.type == "cpu":
@@ -152,6 +160,12 @@ class ModelRunner:
         traffic at once would otherwise time page faults that a server pays before its traffic."""
         if self.kv_prefaulter is not None:
             self.kv_prefaulter.wait(timeout)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """A pool of `num_blocks` in place of the current one (the start-up plan replaces the
+        profiling pool); the caller guarantees no block is in use."""
+        self.num_blocks = num_blocks
+        self.release_kv_pages()
 
     def release_kv_pages(self) -> None:
         """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it);

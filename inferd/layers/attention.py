@@ -44,6 +44,7 @@ from inferd.layers.attention_plan import (
     SharedPrefix,
     shared_prefix,
 )
+from inferd.slow_paths import warn_slow_path
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -392,11 +393,11 @@ class TritonAttention(TorchAttention):
     kernel_max_query = 32  # longer queries are prefill chunks: SDPA
 
     def __init__(self, head_dim: int) -> None:
-        from inferd.kernels import triton as triton_kernels
 
         if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-            triton_kernels.warn_slow_path(f"no Triton attention kernel for head size {head_dim}: "
-                                          "padded SDPA over gathered K/V")  # fmt: skip
+            warn_slow_path(f"triton-attention-head-{head_dim}",
+                           f"no Triton attention kernel for head size {head_dim}: padded SDPA over "
+                           "gathered K/V")  # fmt: skip
             self.kernel = None
             return
         from inferd.kernels.triton import paged_attention
@@ -461,11 +462,11 @@ def select_attention_backend(
     if name is None:
         name = next(n for n in _PREFERENCE if ATTENTION_BACKENDS[n].supports(device, dtype))
         if name == "torch" and device.type == "cuda":
-            from inferd.kernels import triton as triton_kernels
 
-            triton_kernels.warn_slow_path(
+            warn_slow_path(
+                f"padded-attention-{device.type}-{dtype}",
                 f"attention on {device.type} ({dtype}) gathers every context out of the pool for "
-                "SDPA (install inferd[gpu] for the Triton paged kernel)"
+                "SDPA (install inferd[gpu] for the Triton paged kernel)",
             )
     cls = ATTENTION_BACKENDS.get(name)
     if cls is None:

@@ -402,7 +402,22 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, use_kernels: bool = Tr
         y = cuda_quant_matmul(x, w)
         if y is not None:
             return y
+    if use_kernels and not _REPORTED_DEQUANTIZE:
+        _report_dequantize(x, w)
     return F.linear(x, dequantize_rows(w).to(x.dtype))
+
+
+_REPORTED_DEQUANTIZE = False  # the hot path checks this bool only
+
+
+def _report_dequantize(x: torch.Tensor, w: QuantizedWeight) -> None:
+    global _REPORTED_DEQUANTIZE
+    _REPORTED_DEQUANTIZE = True
+    from inferd.slow_paths import warn_slow_path
+
+    warn_slow_path("dequantize-matmul", "%s weights on %s %s input are dequantised whole at every call "
+                   "(no fused kernel for it): decoding reads ~4-8x the weight bytes; --quantization "
+                   "none keeps plain weights", w.format, x.device.type, str(x.dtype).removeprefix("torch."))
 
 
 def int8_activations_default(ext) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferd.engine.readbacks import HostReadbacks
 from inferd.sampling.processors import apply_processors
 from inferd.sampling.sampler import TokenLogprob, argmax_rows, draw, sampling_distribution, token_logprob
 from inferd.scheduler.sequence import Sequence
@@ -80,7 +81,8 @@ def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
 
 
 def verify(
-    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...], vocab_size: int,
+    readbacks: HostReadbacks | None = None,
 ) -> list[Verified]:
     """logits: [sum(1 + k_s + leaves_s), V] fp32, each sequence's 1 + k rows in order, then a row
     per leaf; `seq.spec.token_ids` are its drafts, `seq.spec.probs` the draft distributions (None:
@@ -91,7 +93,7 @@ def verify(
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     processed = apply_processors(logits, views, eos_token_ids)
-    targets = argmax_rows(processed).tolist()
+    targets = (readbacks or HostReadbacks()).to_host(argmax_rows(processed))
     random_rows = [i for i, v in enumerate(views) if not v.params.greedy]
     probs = None
     if random_rows:

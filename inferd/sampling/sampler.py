@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferd.engine.readbacks import HostReadbacks
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.scheduler.sequence import Sequence
 from inferd.sampling.processors import apply_processors
@@ -77,9 +78,13 @@ def _filter_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    """Sampling with one readback per call (the tokens; `readbacks` counts it), plus those of the
+    logprobs asked for."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], readbacks: HostReadbacks | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.readbacks = readbacks or HostReadbacks()
 
     def __call__(
         self,
@@ -104,7 +109,7 @@ class Sampler:
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
             tokens[random_rows] = self._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
-        token_list = tokens.tolist()
+        token_list = self.readbacks.to_host(tokens)
 
         logprob_out: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
@@ -119,17 +124,19 @@ class Sampler:
 
 def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
     """The distribution each row samples from: temperature, then top-k / top-p, then min-p.
-    Rows are processed logits of non-greedy sequences (anything with `.params`)."""
+    Rows are processed logits of non-greedy sequences (anything with `.params`). Which filters
+    run is decided from the parameters on the host: no readback."""
     dev = logits.device
-    temps = torch.tensor([s.params.temperature for s in seqs], device=dev, dtype=logits.dtype)
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps.unsqueeze(1)
-    top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=logits.dtype)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
         logits = _filter_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)  # a distribution again (verification needs it)
@@ -141,18 +148,21 @@ def draw(probs: torch.Tensor, seqs: list) -> torch.Tensor:
     per row, the first token whose cumulative probability exceeds u times the total. Each seeded
     row draws u from its sequence's own generator: reproducible whatever else is in the batch.
     (Not exponential-race sampling, argmax(p / E): it draws V random numbers per row, and
-    PyTorch's CPU `exponential_` spends 38 ms on 32 rows of 49k, as long as the decode step.)"""
-    u = torch.empty(len(seqs), dtype=torch.float64)
+    PyTorch's CPU `exponential_` spends 38 ms on 32 rows of 49k, as long as the decode step.)
+    The uniforms are drawn on `probs`' device (a seeded sequence's generator lives there): no
+    readback."""
+    dev = probs.device
+    u = torch.empty(len(seqs), dtype=torch.float64, device=dev)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
     for i, s in enumerate(seqs):
         if s.generator is not None:
-            u[i] = torch.rand(1, generator=s.generator, dtype=torch.float64, device=s.generator.device).cpu()
+            u[i : i + 1] = torch.rand(1, generator=s.generator, dtype=torch.float64, device=s.generator.device)
     if probs.dim() == 2 and probs.is_cpu and probs.dtype == torch.float32 and probs.stride(-1) == 1:
         ext = cpu_kernels()
         if ext is not None:
             return ext.sample_rows(probs, u)
     cdf = probs.double().cumsum(dim=-1)
-    x = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    x = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -18,6 +18,7 @@ import time
 import torch
 
 from inferd.engine.model_runner import ModelRunner, StepBatch
+from inferd.engine.readbacks import HostReadbacks
 from inferd.engine.stats import EngineStats
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.sampling.rejection import verify
@@ -65,8 +66,9 @@ class SpecDecoder(NoSpecDecoder):
     """A proposer, its depth policy and the step's speculation bookkeeping."""
 
     def __init__(self, proposer: Proposer, policy: SpecPolicy, ctx: ProposerContext,
-                 stats: EngineStats) -> None:  # fmt: skip
+                 stats: EngineStats, readbacks: HostReadbacks | None = None) -> None:  # fmt: skip
         self.proposer = proposer
+        self.readbacks = readbacks or HostReadbacks()  # the runner's: verification reads tokens back
         self.policy = policy
         self.needs_hidden = proposer.needs_hidden
         self.max_model_len = ctx.max_model_len
@@ -95,7 +97,7 @@ class SpecDecoder(NoSpecDecoder):
                                               leaves=leaves)  # fmt: skip
         policy = SpecPolicy(k, spec.disable_by_batch_size, cost, leaf_width=spec.draft_topk - 1,
                             leaf_cost=leaf_cost, ranked=proposer.ranks_drafts)  # fmt: skip
-        return cls(proposer, policy, ctx, stats)
+        return cls(proposer, policy, ctx, stats, runner.readbacks)
 
     # ---- before the step -----------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> None:
@@ -156,7 +158,7 @@ class SpecDecoder(NoSpecDecoder):
             return []
         if len(rows) != logits.shape[0]:  # plain decodes are in the batch too
             logits = logits[torch.tensor(rows, device=logits.device)]
-        results = verify(logits, seqs, self.eos_token_ids, self.vocab_size)
+        results = verify(logits, seqs, self.eos_token_ids, self.vocab_size, self.readbacks)
         sampled = []
         for seq, res in zip(seqs, results):
             if res.leaf is not None and batch.hidden is not None:

@@ -40,7 +40,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, ctx: ProposerContext) -> None:
         spec = ctx.spec
         quantization = spec.quantization or ctx.quantization
-        loaded = load_model(spec.model, verbose=False, quantization=quantization)
+        loaded = ctx.draft_loaded or load_model(spec.model, verbose=False, quantization=quantization)
         cfg = loaded.config
         if loaded.tokenizer.hf.get_vocab() != ctx.tokenizer.hf.get_vocab():
             raise ValueError(

@@ -5,12 +5,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inferd.config import ModelConfig, SpeculativeConfig
 from inferd.loader.tokenizer import Tokenizer
 from inferd.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from inferd.loader import LoadedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,8 @@ class ProposerContext:
     num_kv_blocks: int  # the target's KV pool (a draft model's own pool has as many tokens)
     block_size: int
     enable_prefix_caching: bool
+    # A draft model's weights, loaded by the engine before it planned memory (None: load here).
+    draft_loaded: LoadedModel | None = None
 
 
 class Proposer(ABC):
