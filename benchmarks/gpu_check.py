@@ -53,6 +53,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch
 
 REFERENCE = Path(__file__).resolve().parent / "gpu_reference.json"
+# The sections after `environment`, in the order they run.
+SECTIONS = ("triton", "parity", "speculation", "memory_plan", "step_time", "syncs", "cuda_graphs")
 
 # The parity model: small enough for a CPU reference in seconds, wide enough that greedy has no
 # near-ties in fp32 (the test helpers scale the random weights so logits spread).
@@ -557,9 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=330.0, help="skip the sections left after this")
     p.add_argument("--quick", action="store_true", help="small shapes and few steps (the dry run)")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="summary folder ($OUT)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated sections to run after environment (a device-side assert "
+                        "poisons the CUDA context for the rest of a process: run groups apart)")  # fmt: skip
     p.add_argument("--write-reference", action="store_true",
                    help=f"compute the CPU reference tokens into {REFERENCE.name} and exit")  # fmt: skip
     args = p.parse_args(argv)
+    chosen = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     work = Path(tempfile.mkdtemp(prefix="inferd-gpu-check-"))
     # Models and conversions go to a scratch cache; compiled kernels stay where they were (a
     # compile takes minutes: `environment` says whether this run needed one).
@@ -585,13 +594,19 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = env.get("copy_bandwidth_gbs")
     # The Triton checks get at most 120 s (their compiles included): the engine's sections follow.
     triton_deadline = time.monotonic() + min(120.0, max(0.0, args.budget_s - report.elapsed() - 200.0))
-    report.run("triton", lambda: triton_kernels(device, args.quick, bandwidth, triton_deadline), needs_s=20)
-    report.run("parity", lambda: parity(device, work), needs_s=15)
-    report.run("speculation", lambda: speculation(device, args.quick, work), needs_s=15)
-    report.run("memory_plan", lambda: memory_plan(device, args.quick, work), needs_s=30)
-    report.run("step_time", lambda: step_time(device, args.quick, work, bandwidth), needs_s=60)
-    report.run("syncs", lambda: syncs_per_step(device, args.quick, work), needs_s=30)
-    report.run("cuda_graphs", lambda: graph_vs_eager(device, args.quick, work), needs_s=30)
+    sections = {
+        "triton": (lambda: triton_kernels(device, args.quick, bandwidth, triton_deadline), 20),
+        "parity": (lambda: parity(device, work), 15),
+        "speculation": (lambda: speculation(device, args.quick, work), 15),
+        "memory_plan": (lambda: memory_plan(device, args.quick, work), 30),
+        "step_time": (lambda: step_time(device, args.quick, work, bandwidth), 60),
+        "syncs": (lambda: syncs_per_step(device, args.quick, work), 30),
+        "cuda_graphs": (lambda: graph_vs_eager(device, args.quick, work), 30),
+    }
+    for name in SECTIONS:
+        if name in chosen:
+            run, needs_s = sections[name]
+            report.run(name, run, needs_s=needs_s)
     from inferd.kernels.quant_gemm import extension
 
     report.say(f"inferd's CPU kernels were {'loaded' if extension.cache_info().currsize else 'not needed'} in this run")

@@ -83,7 +83,10 @@ def test_profiling_step_fits_its_pool(tiny_models):
     cfg = loaded.config
     model = build_model(cfg, loaded.weights, max_positions=256, dtype=torch.float32, device=CPU)
     layout = KVLayout.of(model_spec(cfg), hybrid=True)
-    runner = ModelRunner(model, cfg, profile_blocks(200, 8, 16, layout.num_groups), 16, torch.float32, CPU,
+    runner = ModelRunner(model, cfg, profile_blocks(600, 8, 16, layout.num_groups, 256), 16, torch.float32, CPU,
                          layout=layout, use_attention_kernel=False)  # fmt: skip
-    assert run_profiling_step(runner, 200, 8) == 8
-    assert run_profiling_step(runner, 5, 8) == 5  # never more sequences than tokens
+    assert run_profiling_step(runner, 200, 8, 256) == 8
+    assert run_profiling_step(runner, 5, 8, 256) == 5  # never more sequences than tokens
+    # More tokens than the model has positions: the long prompt is cut at 256 (positions past the
+    # RoPE tables are an out-of-range index: an IndexError here, a device-side assert on CUDA).
+    assert run_profiling_step(runner, 600, 8, 256) == 3 + 7

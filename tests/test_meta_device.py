@@ -27,7 +27,7 @@ def test_prefill_and_decode_forward_on_meta(tiny_models):
     runner = ModelRunner(model, cfg, 64, 16, torch.bfloat16, META, layout=KVLayout.single(cfg.num_layers))
     assert runner.kv_cache.data.device == META
     # A long prefill and short prompts in one step, then a step of decodes.
-    assert run_profiling_step(runner, 100, 4) == 4
+    assert run_profiling_step(runner, 100, 4, 256) == 4
     kv = KVCacheManager(runner.num_blocks, runner.block_size, False, runner.layout)
     seqs = []
     for n in (40, 7):

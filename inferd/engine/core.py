@@ -102,8 +102,9 @@ class EngineCore:
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         sched = config.scheduler
         profiling = self.device.type == "cuda" and config.cache.kv_cache_memory is None
+        self._model_positions = wanted or mcfg.max_position_embeddings  # the RoPE tables' length
         first_blocks = (profile_blocks(sched.max_num_batched_tokens, sched.max_num_seqs, block_size,
-                                       layout.num_groups) if profiling else 1)  # fmt: skip
+                                       layout.num_groups, self._model_positions) if profiling else 1)  # fmt: skip
         self.runner = ModelRunner(model, mcfg, first_blocks, block_size, self.dtype, self.device,
                                   kv_cache_dtype=kv_cache_dtype,
                                   kv_cache_prefault=config.cache.kv_cache_prefault,
@@ -166,7 +167,8 @@ class EngineCore:
         num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
         released = 0
         if profiling:
-            activations = profile_activation_bytes(self.runner, num_tokens, num_seqs, mcfg.vocab_size)
+            activations = profile_activation_bytes(self.runner, num_tokens, num_seqs, mcfg.vocab_size,
+                                                   self._model_positions)  # fmt: skip
             released = self.runner.kv_cache.nbytes
             source = "profiled"
         else:

@@ -118,12 +118,24 @@ def _checked(plan: MemoryPlan, budget: int) -> MemoryPlan:
     return plan
 
 
-def profile_blocks(num_tokens: int, num_seqs: int, block_size: int, num_groups: int) -> int:
+def profile_lengths(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
+    """The profiling step's prompt lengths: `num_tokens` over `num_seqs` sequences (one long
+    prefill and single-token prompts), the long one cut into pieces of at most `max_len` tokens,
+    the positions the model has RoPE tables for (a position past them is an out-of-range index:
+    a device-side assert on CUDA)."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    long = num_tokens - num_seqs + 1
+    pieces = [max_len] * (long // max_len) + ([long % max_len] if long % max_len else [])
+    return pieces + [1] * (num_seqs - 1)
+
+
+def profile_blocks(num_tokens: int, num_seqs: int, block_size: int, num_groups: int, max_len: int) -> int:
     """Blocks the profiling step's sequences take (`profile_activation_bytes`)."""
-    return num_groups * (-(-num_tokens // block_size) + num_seqs + 1)
+    lengths = profile_lengths(num_tokens, num_seqs, max_len)
+    return num_groups * (sum(-(-n // block_size) for n in lengths) + 1)
 
 
-def profile_activation_bytes(runner, num_tokens: int, num_seqs: int, vocab_size: int) -> int:
+def profile_activation_bytes(runner, num_tokens: int, num_seqs: int, vocab_size: int, max_len: int) -> int:
     """Peak CUDA memory one forward of the largest step (`run_profiling_step`) allocates beyond
     what is held before it, plus the sampler's fp32 softmax over its rows, which the forward does
     not allocate."""
@@ -131,22 +143,21 @@ def profile_activation_bytes(runner, num_tokens: int, num_seqs: int, vocab_size:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    rows = run_profiling_step(runner, num_tokens, num_seqs)
+    rows = run_profiling_step(runner, num_tokens, num_seqs, max_len)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before + 2 * rows * vocab_size * 4
 
 
-def run_profiling_step(runner, num_tokens: int, num_seqs: int) -> int:
-    """One forward on the runner's (profiling) pool of `num_seqs` sequences sharing `num_tokens`
-    prompt tokens (one long prefill and single-token prompts), each sampling a row; returns the
-    number of logits rows. The pool is left as it was found: every block free."""
+def run_profiling_step(runner, num_tokens: int, num_seqs: int, max_len: int) -> int:
+    """One forward on the runner's (profiling) pool of the sequences `profile_lengths` gives,
+    each sampling a row; returns the number of logits rows. The pool is left as it was found:
+    every block free."""
     from inferd.kv.kv_cache_manager import KVCacheManager
     from inferd.sampling.params import SamplingParams
     from inferd.scheduler.scheduler import SchedulerOutput
     from inferd.scheduler.sequence import Sequence
 
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    lengths = [num_tokens - num_seqs + 1] + [1] * (num_seqs - 1)
+    lengths = profile_lengths(num_tokens, num_seqs, max_len)
     kv = KVCacheManager(runner.num_blocks, runner.block_size, False, runner.layout)
     seqs = []
     for n in lengths:
