@@ -28,6 +28,7 @@ from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.kv.kv_events import make_publisher
 from inferd.kv.kv_groups import KVLayout
 from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model, model_spec
@@ -115,7 +116,9 @@ class EngineCore:
                 "tokens); raise --kv-cache-memory or lower --max-model-len"
             )
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
+        self.kv_events = make_publisher(config.cache.kv_events_endpoint, block_size)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout,
+                            self.kv_events)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
                                    clock=lambda: self.clock())  # fmt: skip
         try:
