@@ -114,6 +114,8 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"prefix_weight must be >= 0, got {prefix_weight}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if max_tree_size < 1:
+            raise ValueError(f"max_tree_size must be >= 1, got {max_tree_size}")
         self.prefix_weight = prefix_weight
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
