@@ -78,6 +78,20 @@ def test_cache_aware_follows_the_prefix_and_spreads_new_ones() -> None:
         assert p.select(conv2 + (7,) * turn, {"a": 0, "b": 3}) == "b"
 
 
+def test_a_prefix_under_the_cache_threshold_does_not_pull_new_conversations() -> None:
+    """New conversations share a short system prompt: under cache_threshold of each prompt, it
+    does not count, and they spread by load and tree size; a longer shared part does count."""
+    p = _policy(cache_threshold=0.5)
+    system = (1, 2, 3)
+    assert p.select(system + tuple(range(100, 140)), {}) == "a"
+    assert p.select(system + tuple(range(200, 240)), {}) == "b"  # 3 of 43 cached on a: cold
+    assert p.select(system + tuple(range(300, 340)), {"a": 0, "b": 1}) == "a"
+    assert p.select(system + tuple(range(100, 140)) + (9,), {"a": 2, "b": 0}) == "a"  # 43 of 44
+    q = _policy(cache_threshold=0.0)  # the prefix always counts: the shared 3 tokens pull to a
+    q.select(system + tuple(range(100, 110)), {})
+    assert q.select(system + tuple(range(200, 210)), {}) == "a"
+
+
 def test_cost_weighs_uncached_tokens_against_load() -> None:
     p = _policy(prefix_weight=0.1)
     prompt = tuple(range(40))

@@ -78,9 +78,6 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
 
     async def tokenizer_from_workers(worker: Worker) -> None:
         """Without --tokenizer: the model file a worker serves, when it lies on this machine."""
-        if keys.tokenizer is not None or state.get("tokenizer_tried"):
-            return
-        state["tokenizer_tried"] = True
         try:
             async with state["session"].get(f"{worker.url}/v1/models") as r:
                 root = ((await r.json()).get("data") or [{}])[0].get("root")
@@ -89,6 +86,10 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
                 logger.info("routing by token ids (the tokenizer of %s)", root)
         except Exception as e:  # noqa: BLE001 — routing by text still works
             logger.info("routing by text: no tokenizer from %s (%s)", worker.url, e)
+
+    def on_worker_up(worker: Worker) -> None:
+        if keys.tokenizer is None and "tokenizer_task" not in state:  # one try, the first worker
+            state["tokenizer_task"] = asyncio.get_running_loop().create_task(tokenizer_from_workers(worker))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,9 +102,11 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
         subscriber = KVEventSubscriber(policy, metrics)
         pool.on_up.append(subscriber.subscribe)
         pool.on_down.append(subscriber.unsubscribe)
-        pool.on_up.append(lambda w: asyncio.get_running_loop().create_task(tokenizer_from_workers(w)))
+        pool.on_up.append(on_worker_up)
         app.state.forwarder = Forwarder(pool, metrics, session)
         await pool.probe_all(session)  # healthy workers route from the first request
+        if "tokenizer_task" in state:  # the keys of the first requests are already token ids
+            await state["tokenizer_task"]
         health = asyncio.create_task(pool.run(session))
         try:
             yield

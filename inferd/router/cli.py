@@ -32,6 +32,10 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    "(default: %(default)s)")  # fmt: skip
     g.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"],
                    help="(default: %(default)s)")
+    g.add_argument("--cache-threshold", type=float, default=d["cache_threshold"],
+                   help="a worker must cache at least this share of the prompt for the prefix to "
+                   "count; below it the least busy worker, then the one with the smallest tree, "
+                   "takes the request (spreads new conversations) (default: %(default)s)")  # fmt: skip
     g.add_argument("--max-tree-size", type=int, default=d["max_tree_size"],
                    help="tokens (or characters) each worker's approximate tree keeps, least "
                    "recently used pruned first (default: %(default)s)")  # fmt: skip
@@ -60,6 +64,7 @@ def policy_from_args(args: argparse.Namespace):
         return make_policy("cache_aware", prefix_weight=args.prefix_weight,
                            balance_abs_threshold=args.balance_abs_threshold,
                            balance_rel_threshold=args.balance_rel_threshold,
+                           cache_threshold=args.cache_threshold,
                            max_tree_size=args.max_tree_size)  # fmt: skip
     if args.policy == "random":
         return make_policy("random", seed=args.random_seed)

@@ -10,7 +10,9 @@ index) and is told their loads (requests in flight) at each choice; it is not th
 - cache_aware: cost per worker = uncached prompt tokens × `prefix_weight` + load (Dynamo's form),
   lowest wins; where the busiest worker's load exceeds the least's by more than
   `balance_abs_threshold` and by a factor `balance_rel_threshold`, the least loaded wins instead
-  (SGLang's rule). The cached prefix is the worker's KV index (exact: from its KV events) where it
+  (SGLang's rule); and where no worker caches at least `cache_threshold` of the prompt (a new
+  conversation sharing only a system prompt), the least loaded wins, ties to the smallest tree,
+  which spreads new prefixes over the workers (SGLang's rule too). The cached prefix is the worker's KV index (exact: from its KV events) where it
   publishes them and the key is token ids, else an approximate radix tree of what was sent there.
 """
 
@@ -107,6 +109,7 @@ class CacheAwarePolicy(RoutingPolicy):
         prefix_weight: float = 0.1,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.0001,
+        cache_threshold: float = 0.5,
         max_tree_size: int = 1 << 22,
     ) -> None:
         super().__init__()
@@ -114,11 +117,14 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"prefix_weight must be >= 0, got {prefix_weight}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if max_tree_size < 1:
             raise ValueError(f"max_tree_size must be >= 1, got {max_tree_size}")
         self.prefix_weight = prefix_weight
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
         self.max_tree_size = max_tree_size
         self.trees: dict[str, RadixTree] = {}
         self.kv_index = KVIndex()
@@ -151,11 +157,12 @@ class CacheAwarePolicy(RoutingPolicy):
         load = {w: loads.get(w, 0) for w in self.workers}
         lo, hi = min(load.values()), max(load.values())
         imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+        cold = max(matched.values()) < self.cache_threshold * len(key)
 
         def cost(w: str) -> tuple[float, int]:
-            # Ties (nothing cached anywhere, equal loads): the smaller tree, which spreads new
-            # prefixes over the workers; then the order workers were added (min keeps the first).
-            if imbalanced:
+            # Ties (equal loads): the smaller tree, which spreads new prefixes over the workers;
+            # then the order workers were added (min keeps the first).
+            if imbalanced or cold:
                 return (load[w], self.trees[w].size)
             return ((len(key) - matched[w]) * self.prefix_weight + load[w], self.trees[w].size)
 
