@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,8 @@ import aiohttp
 import httpx
 import pytest
 from test_server_utils import RemoteServer, assert_error, free_port, metric
+
+from inferd.cli import main
 
 WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--block-size", "8",
                "--log-stats-interval", "0", "--max-num-seqs", "2"]  # fmt: skip
@@ -115,7 +115,7 @@ def test_cache_aware_keeps_the_cache_hit_share_of_one_engine(workers, cache_awar
     assert min(per_worker) >= 5 and sum(per_worker) == 15, per_worker
     hits = sum(metric(text, "inferd_router:routed_prefix_hit_tokens_total", worker=s.url) for s, _ in workers)
     routed = sum(metric(text, "inferd_router:routed_prompt_tokens_total", worker=s.url) for s, _ in workers)
-    assert 0.5 < hits / routed < 1, (hits, routed)
+    assert 0.3 < hits / routed < 1, (hits, routed)  # the replies it never saw are misses
 
 
 def _stream(url: str, payload: dict) -> tuple[list[dict], bytes]:
@@ -173,7 +173,7 @@ def _counter(server: RemoteServer, name: str, **labels: str) -> float:
         return 0.0
 
 
-def test_bad_input_gets_clear_errors(workers, round_robin) -> None:
+def test_bad_input_gets_clear_errors(workers, round_robin, capsys) -> None:
     url = round_robin.url
     assert_error(httpx.post(f"{url}/v1/completions", content=b"{not json"), 400)
     assert_error(httpx.post(f"{url}/v1/chat/completions", content=b"[1, 2]"), 400)
@@ -182,12 +182,13 @@ def test_bad_input_gets_clear_errors(workers, round_robin) -> None:
     assert_error(httpx.post(f"{url}/workers", json={"url": "ftp://host"}), 400, "url")
     assert_error(httpx.post(f"{url}/workers", json={"url": workers[0][0].url}), 409, "url")
     assert_error(httpx.delete(f"{url}/workers/http://127.0.0.1:1"), 404, "url")
-    cli = [sys.executable, "-m", "inferd.cli", "router"]
-    bad = subprocess.run([*cli, "--worker-urls", "http://a:1", "--policy", "fastest"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "invalid choice: 'fastest'" in bad.stderr
-    bad = subprocess.run([*cli, "--worker-urls", "localhost:8000"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "scheme must be http or https" in bad.stderr, bad.stderr
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own error, exit status 2
+        main(["router", "--worker-urls", "http://a:1", "--policy", "fastest"])
+    assert exit_info.value.code == 2 and "invalid choice: 'fastest'" in capsys.readouterr().err
+    assert main(["router", "--worker-urls", "localhost:8000"]) == 2
+    assert "scheme must be http or https" in capsys.readouterr().err
+    assert main(["router", "--worker-urls", "http://a:1", "--kv-events", "tcp://a:1", "tcp://a:2"]) == 2
+    assert "one per worker" in capsys.readouterr().err
 
 
 def test_workers_can_be_removed_and_added_at_run_time(workers, round_robin) -> None:

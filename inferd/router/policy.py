@@ -109,7 +109,7 @@ class CacheAwarePolicy(RoutingPolicy):
         prefix_weight: float = 0.1,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.0001,
-        cache_threshold: float = 0.5,
+        cache_threshold: float = 0.3,
         max_tree_size: int = 1 << 22,
     ) -> None:
         super().__init__()
