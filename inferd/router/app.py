@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import inferd
-from inferd.router.keys import RequestKeys, load_tokenizer
+from inferd.loader import load_tokenizer
+from inferd.router.keys import RequestKeys
 from inferd.router.kv_subscriber import KVEventSubscriber
 from inferd.router.metrics import CONTENT_TYPE, RouterMetrics
 from inferd.router.policy import RoutingPolicy

@@ -10,25 +10,11 @@ becomes a text key (or an empty one): the worker, not the router, answers malfor
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("inferd.router")
 
 Key = tuple[int, ...] | str
-
-
-def load_tokenizer(model: str):
-    """The tokenizer (and chat template) of a GGUF file or HF directory, without its weights."""
-    from inferd.loader.gguf_loader import load_gguf_tokenizer
-    from inferd.loader.hf_loader import hf_tokenizer, load_hf_config
-
-    path = Path(model).expanduser()
-    if path.is_file():
-        return load_gguf_tokenizer(path)
-    if path.is_dir():
-        return hf_tokenizer(path, load_hf_config(path))
-    raise FileNotFoundError(f"tokenizer: no model file or directory at {path}")
 
 
 def _text_of(content: Any) -> str:
