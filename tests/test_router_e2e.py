@@ -208,6 +208,20 @@ def test_workers_can_be_removed_and_added_at_run_time(workers, round_robin) -> N
     assert count() == n + 1
 
 
+def test_bench_multi_turn_through_the_router(workers, cache_aware, tiny_gguf, capsys) -> None:
+    """`inferd bench serve --scenario multi-turn` runs against any base URL: here the router."""
+    _reset_caches(workers)
+    argv = ["bench", "serve", "--scenario", "multi-turn", "--base-url", cache_aware.url,
+            "--tokenizer", str(tiny_gguf), "--conversations", "3", "--turns", "3",
+            "--concurrency", "3", "--input-len", "16", "--output-len", "4", "--ignore-eos"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["completed_requests"] == 9 and report["failed_requests"] == 0
+    assert len(report["ttft_ms_p50_per_turn"]) == 3
+    # Each later turn's history (all but its new user message) was computed on the same worker.
+    assert 0.4 < report["cached_share_later_turns"] < 1, report
+
+
 async def _stream_one(session: aiohttp.ClientSession, url: str, i: int) -> dict:
     payload = {"prompt": f"Request number {i} counts:", "max_tokens": 200, "ignore_eos": True,
                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
