@@ -55,11 +55,18 @@ class RouterMetrics:
                                          "before it is forwarded (parse, key, policy)",
                                          buckets=_ROUTING_BUCKETS, registry=r)  # fmt: skip
         r.register(_PoolGauges(pool))
+        self._per_worker: dict[str, tuple[Counter, Counter, Counter]] = {}
 
     def routed(self, worker: str, key_len: int, matched: int) -> None:
-        self.requests.labels(worker).inc()
-        self.prompt_tokens.labels(worker).inc(key_len)
-        self.prefix_hits.labels(worker).inc(matched)
+        children = self._per_worker.get(worker)
+        if children is None:  # `labels()` looks its child up on every call: once per worker here
+            children = (self.requests.labels(worker), self.prompt_tokens.labels(worker),
+                        self.prefix_hits.labels(worker))  # fmt: skip
+            self._per_worker[worker] = children
+        requests, prompt_tokens, prefix_hits = children
+        requests.inc()
+        prompt_tokens.inc(key_len)
+        prefix_hits.inc(matched)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
