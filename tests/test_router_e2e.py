@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import aiohttp
 import httpx
@@ -25,6 +26,7 @@ from inferd.cli import main
 WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--block-size", "8",
                "--log-stats-interval", "0", "--max-num-seqs", "2"]  # fmt: skip
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+LONG = 240  # tokens of each stream in the kill test (the workers' context is 256)
 ROUTER_ARGS = ["--health-check-interval", "0.5", "--health-failure-threshold", "1"]
 
 
@@ -33,36 +35,55 @@ def tiny_gguf(tiny_models):
     return tiny_models["llama-f32.gguf"].path
 
 
-@pytest.fixture(scope="module")
-def workers(tiny_gguf) -> Iterator[list[tuple[RemoteServer, str]]]:
-    """Two workers, each publishing its KV events: [(server, events endpoint)]."""
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    with ThreadPoolExecutor(2) as ex:  # they load at once
-        futures = [ex.submit(RemoteServer, str(tiny_gguf), *WORKER_ARGS, "--kv-events-endpoint", e,
-                             env=ONE_THREAD) for e in endpoints]  # fmt: skip
-        servers = [f.result() for f in futures]
-    yield list(zip(servers, endpoints))
-    for s in servers:
-        s.close()
-
-
-def _router(workers, *args: str) -> RemoteServer:
-    urls = [s.url for s, _ in workers]
+def _router(urls: list[str], *args: str) -> RemoteServer:
     return RemoteServer("--worker-urls", *urls, *ROUTER_ARGS, *args, command="router")
 
 
 @pytest.fixture(scope="module")
-def cache_aware(workers) -> Iterator[RemoteServer]:
-    r = _router(workers, "--policy", "cache_aware")  # approximate: no --kv-events
-    yield r
-    r.close()
+def cluster(tiny_gguf) -> Iterator[dict]:
+    """Two workers, each publishing its KV events, and three routers over them, all started at
+    once (a router is healthy once a worker is): {"workers": [(server, events endpoint)],
+    "cache_aware": ..., "round_robin": ..., "exact": ...}."""
+    ports = [free_port() for _ in range(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    starts = {
+        **{f"worker{i}": partial(RemoteServer, str(tiny_gguf), *WORKER_ARGS, "--kv-events-endpoint",
+                                 e, port=p, env=ONE_THREAD) for i, (p, e) in enumerate(zip(ports, endpoints))},
+        # cache_aware: approximate (no --kv-events), its tokenizer from the workers' /v1/models.
+        "cache_aware": partial(_router, urls, "--policy", "cache_aware"),
+        "round_robin": partial(_router, urls, "--policy", "round_robin"),
+        "exact": partial(_router, urls, "--kv-events", *endpoints, "--tokenizer", str(tiny_gguf)),
+    }  # fmt: skip
+    with ThreadPoolExecutor(len(starts)) as ex:
+        futures = {name: ex.submit(start) for name, start in starts.items()}
+        started = {}
+        try:
+            for name, f in futures.items():
+                started[name] = f.result()
+        finally:
+            if len(started) < len(futures):  # one failed: close what did start
+                for f in futures.values():
+                    if f.exception() is None:
+                        f.result().close()
+    yield {**started, "workers": [(started["worker0"], endpoints[0]), (started["worker1"], endpoints[1])]}
+    for name in ("cache_aware", "round_robin", "exact", "worker0", "worker1"):
+        started[name].close()
 
 
 @pytest.fixture(scope="module")
-def round_robin(workers) -> Iterator[RemoteServer]:
-    r = _router(workers, "--policy", "round_robin")
-    yield r
-    r.close()
+def workers(cluster) -> list[tuple[RemoteServer, str]]:
+    return cluster["workers"]
+
+
+@pytest.fixture(scope="module")
+def cache_aware(cluster) -> RemoteServer:
+    return cluster["cache_aware"]
+
+
+@pytest.fixture(scope="module")
+def round_robin(cluster) -> RemoteServer:
+    return cluster["round_robin"]
 
 
 def _reset_caches(workers) -> None:
@@ -140,29 +161,25 @@ def test_streams_pass_through_with_usage(workers, round_robin) -> None:
     assert [e["choices"][0]["finish_reason"] for e in via if e["choices"]][-1] == "length"
 
 
-def test_exact_mode_routes_a_prefix_to_the_worker_holding_it(workers) -> None:
+def test_exact_mode_routes_a_prefix_to_the_worker_holding_it(workers, cluster) -> None:
     """Worker 2 alone has seen a prompt (sent to it directly, past the router): with its KV
     events the router sends that prompt's continuation there, where an empty tree and equal
     loads would have picked worker 1."""
-    (w1, e1), (w2, e2) = workers
-    router = _router(workers, "--kv-events", e1, e2)  # the tokenizer: the workers' model file
-    try:
-        prompt = "A long shared preamble that only the second worker has computed so far, " * 2
-        before = _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url)
-        r = httpx.post(f"{w2.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
-        assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 30
-        while _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url) == before:
-            assert time.monotonic() < deadline, "no KV event reached the router"
-            time.sleep(0.05)
-        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt + "and more", "max_tokens": 1},
-                       timeout=120)  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8
-        assert _counter(router, "inferd_router:requests_total", worker=w2.url) == 1
-        assert _counter(router, "inferd_router:routed_prefix_hit_tokens_total", worker=w2.url) >= 8
-    finally:
-        router.close()
+    router, w2 = cluster["exact"], workers[1][0]
+    prompt = "A long shared preamble that only the second worker has computed so far, " * 2
+    before = _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url)
+    r = httpx.post(f"{w2.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url) == before:
+        assert time.monotonic() < deadline, "no KV event reached the router"
+        time.sleep(0.05)
+    r = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt + "and more", "max_tokens": 1},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8
+    assert _counter(router, "inferd_router:requests_total", worker=w2.url) == 1
+    assert _counter(router, "inferd_router:routed_prefix_hit_tokens_total", worker=w2.url) >= 8
 
 
 def _counter(server: RemoteServer, name: str, **labels: str) -> float:
@@ -222,10 +239,9 @@ def test_bench_multi_turn_through_the_router(workers, cache_aware, tiny_gguf, ca
     assert 0.4 < report["cached_share_later_turns"] < 1, report
 
 
-async def _stream_one(session: aiohttp.ClientSession, url: str, i: int) -> dict:
-    payload = {"prompt": f"Request number {i} counts:", "max_tokens": 200, "ignore_eos": True,
-               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    out = {"first_byte": None, "done": False, "tokens": 0, "error": None}
+async def _stream_one(session: aiohttp.ClientSession, url: str, out: dict) -> dict:
+    payload = {"prompt": "Count: one two", "max_tokens": LONG, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     async with session.post(f"{url}/v1/completions", json=payload) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
@@ -249,25 +265,27 @@ def test_a_killed_worker_loses_no_request_that_had_not_started_streaming(workers
     url, victim = round_robin.url, workers[1][0]
 
     async def run() -> tuple[list[dict], float]:
+        results = [{"first_byte": None, "done": False, "tokens": 0, "error": None} for _ in range(8)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.create_task(_stream_one(session, url, i)) for i in range(8)]
+            tasks = [asyncio.create_task(_stream_one(session, url, r)) for r in results]
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # both workers stream
-                loads = {w["url"]: w["load"] for w in httpx.get(f"{url}/workers").json()["workers"]}
-                if loads.get(victim.url, 0) >= 4:
+            # Kill once the victim has its four and streams flow: a stream of LONG tokens takes
+            # far longer than this wait, so the victim's two queued requests have not started.
+            while time.monotonic() < deadline:
+                async with session.get(f"{url}/workers") as resp:
+                    loads = {w["url"]: w["load"] for w in (await resp.json())["workers"]}
+                if loads.get(victim.url, 0) >= 4 and any(r["first_byte"] for r in results):
                     break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+                await asyncio.sleep(0.005)
             victim.proc.send_signal(signal.SIGKILL)  # its engine process exits with it
             killed_at = time.monotonic()
             return list(await asyncio.gather(*tasks)), killed_at
 
     results, killed_at = asyncio.run(run())
     victim.proc.wait(30)
-    started_before = [r for r in results if r["first_byte"] is not None and r["first_byte"] < killed_at]
     for r in results:
-        if r not in started_before:
-            assert r["done"] and r["tokens"] == 200 and r["error"] is None, r
+        if r["first_byte"] is None or r["first_byte"] >= killed_at:  # had not started streaming
+            assert r["done"] and r["tokens"] == LONG and r["error"] is None, r
     cut = [r for r in results if not r["done"]]
     assert all(r["error"] and r["error"]["code"] == "worker_failed" for r in cut), cut
     assert len(cut) <= 2  # at most the two streams the victim was running

@@ -42,9 +42,9 @@ class RemoteServer:
 
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0,
-        command: str = "serve",
+        command: str = "serve", port: int | None = None,
     ) -> None:  # fmt: skip
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 — open for the server's lifetime
             "w+", prefix="inferd-serve-", suffix=".log", delete=False

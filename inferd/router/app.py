@@ -2,7 +2,7 @@
 
 Generation requests are read once (to compute the routing key) and forwarded byte for byte
 (proxy.py). /v1/models is answered by a healthy worker. /health is 200 while any worker is
-healthy. `POST /workers`, `DELETE /workers/{url}`, `GET /workers` manage the workers at run time;
+healthy (and, at the start, once the routing key's tokenizer is settled). `POST /workers`, `DELETE /workers/{url}`, `GET /workers` manage the workers at run time;
 /metrics is the router's own (metrics.py).
 """
 
@@ -153,7 +153,10 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        if pool.healthy():
+        # Ready once a worker is and the routing key is settled (the workers' tokenizer loaded,
+        # or found missing): keys do not change kind under the first requests.
+        task = state.get("tokenizer_task")
+        if pool.healthy() and (task is None or task.done()):
             return Response(status_code=200)
         return JSONResponse({"error": {"message": "no healthy worker", "type": "server_error",
                                        "param": None, "code": "no_healthy_worker"}}, status_code=503)  # fmt: skip
