@@ -66,7 +66,10 @@ def cluster(tiny_gguf) -> Iterator[dict]:
                 for f in futures.values():
                     if f.exception() is None:
                         f.result().close()
-    yield {**started, "workers": [(started["worker0"], endpoints[0]), (started["worker1"], endpoints[1])]}
+    yield {
+        **started,
+        "workers": [(started["worker0"], endpoints[0]), (started["worker1"], endpoints[1])],
+    }
     for name in ("cache_aware", "round_robin", "exact", "worker0", "worker1"):
         started[name].close()
 
@@ -109,14 +112,18 @@ def _conversations(url: str, turns: int = 3) -> float:
                                                          "temperature": 0})  # fmt: skip
                 assert r.status_code == 200, r.text
                 body = r.json()
-                history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                history.append(
+                    {"role": "assistant", "content": body["choices"][0]["message"]["content"]}
+                )
                 if turn:
                     prompt += body["usage"]["prompt_tokens"]
                     cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
     return cached / prompt
 
 
-def test_cache_aware_keeps_the_cache_hit_share_of_one_engine(workers, cache_aware, round_robin) -> None:
+def test_cache_aware_keeps_the_cache_hit_share_of_one_engine(
+    workers, cache_aware, round_robin
+) -> None:
     """Through cache_aware each conversation stays on the worker that holds its history, so the
     later turns hit the cache as they would on one engine; round_robin sends each turn to the
     other worker than the last (five conversations, two workers) and hits only what two turns
@@ -134,13 +141,20 @@ def test_cache_aware_keeps_the_cache_hit_share_of_one_engine(workers, cache_awar
     text = httpx.get(f"{cache_aware.url}/metrics").text
     per_worker = [metric(text, "inferd_router:requests_total", worker=s.url) for s, _ in workers]
     assert min(per_worker) >= 5 and sum(per_worker) == 15, per_worker
-    hits = sum(metric(text, "inferd_router:routed_prefix_hit_tokens_total", worker=s.url) for s, _ in workers)
-    routed = sum(metric(text, "inferd_router:routed_prompt_tokens_total", worker=s.url) for s, _ in workers)
+    hits = sum(
+        metric(text, "inferd_router:routed_prefix_hit_tokens_total", worker=s.url)
+        for s, _ in workers
+    )
+    routed = sum(
+        metric(text, "inferd_router:routed_prompt_tokens_total", worker=s.url) for s, _ in workers
+    )
     assert 0.3 < hits / routed < 1, (hits, routed)  # the replies it never saw are misses
 
 
 def _stream(url: str, payload: dict) -> tuple[list[dict], bytes]:
-    with httpx.stream("POST", f"{url}/v1/completions", json={**payload, "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**payload, "stream": True}, timeout=120
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read()
@@ -155,7 +169,7 @@ def test_streams_pass_through_with_usage(workers, round_robin) -> None:
     direct, _ = _stream(workers[0][0].url, payload)
     via, raw = _stream(round_robin.url, payload)
     assert raw.endswith(b"data: [DONE]\n\n")
-    text = lambda evs: "".join(c["text"] for e in evs for c in e["choices"])  # noqa: E731
+    text = lambda evs: "".join(c["text"] for e in evs for c in e["choices"])
     assert text(via) == text(direct)
     assert via[-1]["usage"]["completion_tokens"] == 5 == direct[-1]["usage"]["completion_tokens"]
     assert [e["choices"][0]["finish_reason"] for e in via if e["choices"]][-1] == "length"
@@ -168,7 +182,9 @@ def test_exact_mode_routes_a_prefix_to_the_worker_holding_it(workers, cluster) -
     router, w2 = cluster["exact"], workers[1][0]
     prompt = "A long shared preamble that only the second worker has computed so far, " * 2
     before = _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url)
-    r = httpx.post(f"{w2.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+    r = httpx.post(
+        f"{w2.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120
+    )
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30
     while _counter(router, "inferd_router:kv_event_batches_total", worker=w2.url) == before:
@@ -195,7 +211,11 @@ def test_bad_input_gets_clear_errors(workers, round_robin, capsys) -> None:
     assert_error(httpx.post(f"{url}/v1/completions", content=b"{not json"), 400)
     assert_error(httpx.post(f"{url}/v1/chat/completions", content=b"[1, 2]"), 400)
     # The worker's own validation passes through as it answered.
-    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}), 400, "max_tokens")
+    assert_error(
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}),
+        400,
+        "max_tokens",
+    )
     assert_error(httpx.post(f"{url}/workers", json={"url": "ftp://host"}), 400, "url")
     assert_error(httpx.post(f"{url}/workers", json={"url": workers[0][0].url}), 409, "url")
     assert_error(httpx.delete(f"{url}/workers/http://127.0.0.1:1"), 404, "url")
@@ -204,7 +224,10 @@ def test_bad_input_gets_clear_errors(workers, round_robin, capsys) -> None:
     assert exit_info.value.code == 2 and "invalid choice: 'fastest'" in capsys.readouterr().err
     assert main(["router", "--worker-urls", "localhost:8000"]) == 2
     assert "scheme must be http or https" in capsys.readouterr().err
-    assert main(["router", "--worker-urls", "http://a:1", "--kv-events", "tcp://a:1", "tcp://a:2"]) == 2
+    assert (
+        main(["router", "--worker-urls", "http://a:1", "--kv-events", "tcp://a:1", "tcp://a:2"])
+        == 2
+    )
     assert "one per worker" in capsys.readouterr().err
 
 
@@ -213,15 +236,27 @@ def test_workers_can_be_removed_and_added_at_run_time(workers, round_robin) -> N
     removed = httpx.delete(f"{url}/workers/{w2}")
     assert removed.status_code == 200 and removed.json()["url"] == w2
     assert [w["url"] for w in httpx.get(f"{url}/workers").json()["workers"]] == [workers[0][0].url]
-    count = lambda: metric(httpx.get(f"{url}/metrics").text, "inferd_router:requests_total", worker=w2)  # noqa: E731
+    count = lambda: metric(
+        httpx.get(f"{url}/metrics").text, "inferd_router:requests_total", worker=w2
+    )
     n = count()
     for _ in range(3):
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60
+            ).status_code
+            == 200
+        )
     assert count() == n  # none went to the removed worker
     added = httpx.post(f"{url}/workers", json={"url": w2})
     assert added.status_code == 201 and added.json()["healthy"] is True
     for _ in range(2):
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60
+            ).status_code
+            == 200
+        )
     assert count() == n + 1
 
 
@@ -258,14 +293,18 @@ async def _stream_one(session: aiohttp.ClientSession, url: str, out: dict) -> di
     return out
 
 
-def test_a_killed_worker_loses_no_request_that_had_not_started_streaming(workers, round_robin) -> None:
+def test_a_killed_worker_loses_no_request_that_had_not_started_streaming(
+    workers, round_robin
+) -> None:
     """Eight streams at once, four per worker, each worker running two at a time: worker 2 is
     SIGKILLed once streams are flowing. Its queued requests (no byte streamed yet) are retried on
     worker 1 and complete; only streams already flowing from it end early, with an error event."""
     url, victim = round_robin.url, workers[1][0]
 
     async def run() -> tuple[list[dict], float]:
-        results = [{"first_byte": None, "done": False, "tokens": 0, "error": None} for _ in range(8)]
+        results = [
+            {"first_byte": None, "done": False, "tokens": 0, "error": None} for _ in range(8)
+        ]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             tasks = [asyncio.create_task(_stream_one(session, url, r)) for r in results]
             deadline = time.monotonic() + 120

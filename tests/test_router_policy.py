@@ -162,11 +162,21 @@ class _Recorder:
 
     def stored(self, hashes) -> None:
         if hashes:
-            self.payloads.append({"block_size": self.block_size, "events": [{"type": "stored", "hashes": list(hashes)}]})
+            self.payloads.append(
+                {
+                    "block_size": self.block_size,
+                    "events": [{"type": "stored", "hashes": list(hashes)}],
+                }
+            )
 
     def removed(self, hashes) -> None:
         if hashes:
-            self.payloads.append({"block_size": self.block_size, "events": [{"type": "removed", "hashes": list(hashes)}]})
+            self.payloads.append(
+                {
+                    "block_size": self.block_size,
+                    "events": [{"type": "removed", "hashes": list(hashes)}],
+                }
+            )
 
 
 def test_exact_mode_follows_the_engines_prefix_cache_events() -> None:
@@ -200,7 +210,10 @@ def test_exact_mode_follows_the_engines_prefix_cache_events() -> None:
         p.on_kv_event("b", payload)
     assert p.kv_index.num_blocks("b") == 0
     assert p.kv_index.matched_tokens(prompt, ["b"]) == {"b": 0}
-    p.on_kv_event("b", {"block_size": bs, "events": [{"type": "stored", "hashes": [1, 2]}, {"type": "cleared"}]})
+    p.on_kv_event(
+        "b",
+        {"block_size": bs, "events": [{"type": "stored", "hashes": [1, 2]}, {"type": "cleared"}]},
+    )
     assert p.kv_index.num_blocks("b") == 0
     p.remove_worker("b")
     p.on_kv_event("b", events.payloads[0])  # from a worker no longer routed to: ignored

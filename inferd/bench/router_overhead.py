@@ -95,7 +95,7 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(router, proc)
-        words = "the quick brown fox jumps over the lazy dog ".split()
+        words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
         payload = {"model": "trivial", "max_tokens": 1,
                    "prompt": " ".join(words[i % len(words)] for i in range(args.prompt_words))}  # fmt: skip
         times: dict[str, list[float]] = {"direct": [], "router": []}
@@ -125,7 +125,9 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
         "via_router_ms": _pcts(routed),
         "added_ms_p50": float(np.percentile(routed * 1000, 50) - np.percentile(direct * 1000, 50)),
         "added_ms_p90": float(np.percentile(routed * 1000, 90) - np.percentile(direct * 1000, 90)),
-        "router_routing_ms_mean": 1000 * routing["_sum"] / routing["_count"] if routing.get("_count") else None,
+        "router_routing_ms_mean": 1000 * routing["_sum"] / routing["_count"]
+        if routing.get("_count")
+        else None,
     }
     print(f"router overhead ({args.policy}, {'token ids' if args.tokenizer else 'text'} keys, "
           f"{args.prompt_words}-word prompt, {args.requests} requests each way): p50 direct "
@@ -137,7 +139,9 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
 
 
 def add_router_overhead_parser(sub) -> None:
-    p = sub.add_parser("router-overhead", help="latency `inferd router` adds, against a trivial upstream")
+    p = sub.add_parser(
+        "router-overhead", help="latency `inferd router` adds, against a trivial upstream"
+    )
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--tokenizer", default=None,
                    help="model whose tokenizer the router keys requests with (default: text keys)")  # fmt: skip

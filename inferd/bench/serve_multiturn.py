@@ -103,7 +103,9 @@ def run_multi_turn(args: argparse.Namespace) -> dict:
         "ttft_ms_first_turn": stats_ms([r.ttft_s for r in done[0]]),
         "ttft_ms_later_turns": stats_ms([r.ttft_s for r in later]),
         "ttft_ms_p50_per_turn": [stats_ms([r.ttft_s for r in turn])["p50"] for turn in done],
-        "cached_share_later_turns": (sum(r.cached_tokens for r in later) / later_prompt) if later_prompt else None,
+        "cached_share_later_turns": (sum(r.cached_tokens for r in later) / later_prompt)
+        if later_prompt
+        else None,
         "prompt_tokens_later_turns": later_prompt,
         "conversation_s": stats_ms(conv_seconds),
         "output_tps": sum(r.output_tokens for turn in done for r in turn) / elapsed,

@@ -50,7 +50,9 @@ class ZmqKVEventPublisher:
 
     enabled = True
 
-    def __init__(self, endpoint: str, block_size: int, topic: str = "", max_queue: int = 10_000) -> None:
+    def __init__(
+        self, endpoint: str, block_size: int, topic: str = "", max_queue: int = 10_000
+    ) -> None:
         import zmq
 
         self.block_size = block_size
@@ -98,9 +100,11 @@ class ZmqKVEventPublisher:
             if events:
                 payload = {"ts": time.time(), "block_size": self.block_size, "events": events}
                 try:
-                    self._socket.send_multipart([self.topic, seq.to_bytes(8, "big"), orjson.dumps(payload)])
+                    self._socket.send_multipart(
+                        [self.topic, seq.to_bytes(8, "big"), orjson.dumps(payload)]
+                    )
                     seq += 1
-                except Exception:  # noqa: BLE001 — a closed socket at shutdown; never the engine's problem
+                except Exception:
                     logger.debug("kv events: send failed", exc_info=True)
                     return
             if None in batch:
@@ -115,13 +119,20 @@ class ZmqKVEventPublisher:
         self._socket.close()
 
 
+class KVEventFormatError(ValueError):
+    """A received message is not a KV event batch of this format."""
+
+
 def decode_batch(frames: Sequence[bytes]) -> tuple[int, dict]:
-    """(seq, payload) of one received message; ValueError if it is not one of ours."""
+    """(seq, payload) of one received message; KVEventFormatError (a ValueError, as is orjson's
+    error for bad JSON) if it is not one of ours."""
     if len(frames) != 3 or len(frames[1]) != 8:
-        raise ValueError(f"a KV event message has 3 frames [topic, seq, payload], got {len(frames)}")
+        raise KVEventFormatError(
+            f"a KV event message has 3 frames [topic, seq, payload], got {len(frames)}"
+        )
     payload = orjson.loads(frames[2])
     if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
-        raise ValueError("a KV event payload is a JSON object with an `events` list")
+        raise KVEventFormatError("a KV event payload is a JSON object with an `events` list")
     return int.from_bytes(frames[1], "big"), payload
 
 

@@ -49,7 +49,9 @@ class RouterConfig:
             raise ValueError(f"--kv-events gives {len(self.kv_events)} endpoints for "
                              f"{len(self.worker_urls)} --worker-urls: give one per worker, in order")  # fmt: skip
         if self.health_check_interval <= 0 or self.health_failure_threshold < 1:
-            raise ValueError("--health-check-interval must be > 0 and --health-failure-threshold >= 1")
+            raise ValueError(
+                "--health-check-interval must be > 0 and --health-failure-threshold >= 1"
+            )
 
 
 def _worker_json(w: Worker) -> dict[str, Any]:
@@ -90,7 +92,9 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
 
     def on_worker_up(worker: Worker) -> None:
         if keys.tokenizer is None and "tokenizer_task" not in state:  # one try, the first worker
-            state["tokenizer_task"] = asyncio.get_running_loop().create_task(tokenizer_from_workers(worker))
+            state["tokenizer_task"] = asyncio.get_running_loop().create_task(
+                tokenizer_from_workers(worker)
+            )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,7 +130,9 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
         if len(body) > config.max_request_bytes:
             raise APIError(413, f"the request body is over {config.max_request_bytes} bytes")
         key = key_of(_json_object(body))
-        return await raw.app.state.forwarder.forward(raw.url.path, body, dict(raw.headers), key, started)
+        return await raw.app.state.forwarder.forward(
+            raw.url.path, body, dict(raw.headers), key, started
+        )
 
     @app.post("/v1/completions", response_model=None)
     @api_errors

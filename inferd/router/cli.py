@@ -30,8 +30,12 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="when the busiest worker has more than this many requests more than the "
                    "least busy (and --balance-rel-threshold times as many), the least busy wins "
                    "(default: %(default)s)")  # fmt: skip
-    g.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"],
-                   help="(default: %(default)s)")
+    g.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=d["balance_rel_threshold"],
+        help="(default: %(default)s)",
+    )
     g.add_argument("--cache-threshold", type=float, default=d["cache_threshold"],
                    help="a worker must cache at least this share of the prompt for the prefix to "
                    "count; below it the least busy worker, then the one with the smallest tree, "

@@ -55,6 +55,6 @@ class RequestKeys:
                 kwargs = {"add_generation_prompt": body.get("add_generation_prompt", True)}
                 text = tok.apply_chat_template(messages, tools=body.get("tools"), **kwargs)
                 return tuple(tok.encode(text, add_special_tokens=False))
-            except Exception:  # noqa: BLE001 — a template the worker will refuse: route by text
+            except Exception:
                 logger.debug("chat template failed; routing by text", exc_info=True)
         return "".join(f"{m.get('role', '')}\n{_text_of(m.get('content'))}\n" for m in messages)

@@ -25,8 +25,12 @@ class _PoolGauges(Collector):
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
-        load = GaugeMetricFamily("inferd_router:worker_load", "requests in flight per worker", labels=["worker"])
-        healthy = GaugeMetricFamily("inferd_router:worker_healthy", "1 while routed to", labels=["worker"])
+        load = GaugeMetricFamily(
+            "inferd_router:worker_load", "requests in flight per worker", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "inferd_router:worker_healthy", "1 while routed to", labels=["worker"]
+        )
         for url, w in self.pool.workers.items():
             load.add_metric([url], w.load)
             healthy.add_metric([url], 1.0 if w.healthy else 0.0)
@@ -38,7 +42,9 @@ class RouterMetrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("inferd_router:requests", "requests routed per worker", ["worker"], registry=r)
+        self.requests = Counter(
+            "inferd_router:requests", "requests routed per worker", ["worker"], registry=r
+        )
         self.prompt_tokens = Counter("inferd_router:routed_prompt_tokens",
                                      "prompt tokens (or characters) routed per worker", ["worker"],
                                      registry=r)  # fmt: skip

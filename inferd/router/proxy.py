@@ -30,7 +30,9 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError)
 
 
 class Forwarder:
-    def __init__(self, pool: WorkerPool, metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, pool: WorkerPool, metrics: RouterMetrics, session: aiohttp.ClientSession
+    ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.session = session
@@ -85,7 +87,9 @@ class Forwarder:
             return StreamingResponse(self._relay(worker, resp, first), status_code=resp.status,
                                      media_type="text/event-stream")  # fmt: skip
 
-    async def _relay(self, worker: Worker, resp: aiohttp.ClientResponse, first: bytes) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, worker: Worker, resp: aiohttp.ClientResponse, first: bytes
+    ) -> AsyncIterator[bytes]:
         try:
             yield first
             async for chunk in resp.content.iter_any():

@@ -32,7 +32,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
 
 
 class _Node:
-    __slots__ = ("edge", "parent", "children", "last_access")
+    __slots__ = ("children", "edge", "last_access", "parent")
 
     def __init__(self, edge: Key, parent: _Node | None) -> None:
         self.edge = edge

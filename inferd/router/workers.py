@@ -36,7 +36,9 @@ def normalize_worker_url(url: str) -> str:
     if not parts.hostname:
         raise ValueError(f"worker URL {url!r}: no host")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"worker URL {url!r}: give the server's root (no path), e.g. http://host:8000")
+        raise ValueError(
+            f"worker URL {url!r}: give the server's root (no path), e.g. http://host:8000"
+        )
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
 
