@@ -220,3 +220,26 @@ def test_exact_mode_follows_the_engines_prefix_cache_events() -> None:
     assert p.kv_index.num_blocks("b") == 0
     cache.reset()
     pool.check_integrity({})
+
+
+def test_kv_events_flags() -> None:
+    """`--kv-events-endpoint` and vLLM's `--kv-events-config` set where the engine publishes."""
+    from inferd.cli import build_parser
+    from inferd.engine_args import engine_config_from_args
+
+    def endpoint(*flags: str) -> str | None:
+        return engine_config_from_args(
+            build_parser().parse_args(["serve", *flags])
+        ).cache.kv_events_endpoint
+
+    assert endpoint() is None
+    assert endpoint("--kv-events-endpoint", "tcp://*:5557") == "tcp://*:5557"
+    cfg = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:6000"}'
+    assert endpoint("--kv-events-config", cfg) == "tcp://*:6000"
+    assert endpoint("--kv-events-config", '{"enable_kv_cache_events": false}') is None
+    with pytest.raises(ValueError, match="must be a ZMQ endpoint"):
+        endpoint("--kv-events-endpoint", "localhost:5557")
+    with pytest.raises(SystemExit):  # argparse: "not JSON", "only zmq is supported"
+        endpoint("--kv-events-config", "{nope")
+    with pytest.raises(SystemExit):
+        endpoint("--kv-events-config", '{"publisher": "nats"}')
