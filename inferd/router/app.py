@@ -48,6 +48,9 @@ class RouterConfig:
         if self.kv_events is not None and len(self.kv_events) != len(self.worker_urls):
             raise ValueError(f"--kv-events gives {len(self.kv_events)} endpoints for "
                              f"{len(self.worker_urls)} --worker-urls: give one per worker, in order")  # fmt: skip
+        bad = [e for e in self.kv_events or () if "://" not in e]
+        if bad:
+            raise ValueError(f"--kv-events: {bad[0]!r} is not a ZMQ endpoint such as tcp://host:5557")
         if self.health_check_interval <= 0 or self.health_failure_threshold < 1:
             raise ValueError(
                 "--health-check-interval must be > 0 and --health-failure-threshold >= 1"

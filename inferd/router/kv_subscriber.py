@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import zmq
-import zmq.asyncio
-
 from inferd.kv.kv_events import CLEARED, decode_batch
 from inferd.router.metrics import RouterMetrics
 from inferd.router.policy import RoutingPolicy
@@ -21,7 +18,7 @@ class KVEventSubscriber:
     def __init__(self, policy: RoutingPolicy, metrics: RouterMetrics) -> None:
         self.policy = policy
         self.metrics = metrics
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = None  # a zmq.asyncio context, made with the first subscription
         self._tasks: dict[str, asyncio.Task] = {}
 
     def subscribe(self, worker: Worker) -> None:
@@ -35,10 +32,21 @@ class KVEventSubscriber:
             task.cancel()
 
     async def _listen(self, worker: Worker) -> None:
+        import zmq  # only where a worker publishes events
+        import zmq.asyncio
+
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context.instance()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(worker.kv_events_endpoint)
+        try:
+            sock.connect(worker.kv_events_endpoint)
+        except zmq.ZMQError as e:  # the approximate tree serves this worker instead
+            logger.warning("KV events of %s: cannot connect to %s: %s", worker.url,
+                           worker.kv_events_endpoint, e)  # fmt: skip
+            sock.close()
+            return
         expected: int | None = None
         try:
             while True:
