@@ -4,7 +4,8 @@ A trivial upstream (answers every completion at once with a fixed body) runs in 
 a real `inferd router` process runs in front of it. Requests alternate between the upstream
 directly and through the router, one at a time over kept-alive connections, so drift in the
 machine's load falls on both alike; the added latency is the difference of their percentiles.
-The router's own `inferd_router:routing_seconds` (parse, key, policy) is reported beside it.
+Beside it: the router's own `inferd_router:routing_seconds` (parse, key, policy), and the CPU time
+its process spent per request, which waiting to be scheduled on a busy machine does not inflate.
 The last line is one JSON document.
 """
 
@@ -20,6 +21,7 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 from aiohttp import web
 
 _ANSWER = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "trivial",
@@ -99,8 +101,12 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
         payload = {"model": "trivial", "max_tokens": 1,
                    "prompt": " ".join(words[i % len(words)] for i in range(args.prompt_words))}  # fmt: skip
         times: dict[str, list[float]] = {"direct": [], "router": []}
+        router_proc = psutil.Process(proc.pid)
         with httpx.Client(timeout=30) as c:
             for i in range(args.warmup + args.requests):
+                if i == args.warmup:
+                    cpu = router_proc.cpu_times()
+                    cpu_start = cpu.user + cpu.system
                 for name, base in (("direct", upstream), ("router", router)):
                     start = time.perf_counter()
                     r = c.post(f"{base}/v1/completions", json=payload)
@@ -109,6 +115,8 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
                         raise RuntimeError(f"{name}: HTTP {r.status_code}: {r.text[:200]}")
                     if i >= args.warmup:
                         times[name].append(elapsed)
+            cpu = router_proc.cpu_times()
+            cpu_ms = 1000 * (cpu.user + cpu.system - cpu_start) / args.requests
             metrics = c.get(f"{router}/metrics").text
     finally:
         proc.terminate()
@@ -125,6 +133,9 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
         "via_router_ms": _pcts(routed),
         "added_ms_p50": float(np.percentile(routed * 1000, 50) - np.percentile(direct * 1000, 50)),
         "added_ms_p90": float(np.percentile(routed * 1000, 90) - np.percentile(direct * 1000, 90)),
+        # CPU the router process spent per request: what the added latency comes to on an idle
+        # machine (plus loopback), where on a loaded one waiting to be scheduled dominates.
+        "router_cpu_ms_per_request": cpu_ms,
         "router_routing_ms_mean": 1000 * routing["_sum"] / routing["_count"]
         if routing.get("_count")
         else None,
@@ -133,7 +144,8 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
           f"{args.prompt_words}-word prompt, {args.requests} requests each way): p50 direct "
           f"{report['direct_ms']['p50']:.3f} ms, via router {report['via_router_ms']['p50']:.3f} ms, "
           f"added {report['added_ms_p50']:.3f} ms (p90 {report['added_ms_p90']:.3f} ms); router's "
-          f"own routing time mean {report['router_routing_ms_mean'] or 0:.3f} ms")  # fmt: skip
+          f"own routing time mean {report['router_routing_ms_mean'] or 0:.3f} ms; router CPU "
+          f"{cpu_ms:.3f} ms per request")  # fmt: skip
     print(json.dumps(report))
     return report
 
