@@ -26,7 +26,13 @@ logger = logging.getLogger("inferd.router")
 
 # Request headers passed on to the worker (auth for workers that require a key).
 _FORWARDED = ("authorization", "content-type", "accept", "x-request-id")
+# Response headers passed back to the client besides the content type (bodies are not decoded).
+_PASSED_BACK = ("content-encoding", "retry-after", "x-request-id")
 _UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError)
+
+
+def _passed_back(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k in _PASSED_BACK if (v := resp.headers.get(k)) is not None}
 
 
 class Forwarder:
@@ -73,7 +79,7 @@ class Forwarder:
                 finally:
                     resp.release()
                     worker.load -= 1
-                return Response(data, status_code=resp.status,
+                return Response(data, status_code=resp.status, headers=_passed_back(resp),
                                 media_type=resp.headers.get("content-type"))  # fmt: skip
             try:
                 first = await resp.content.readany()
@@ -85,7 +91,7 @@ class Forwarder:
                 self.pool.mark_down(worker, f"{type(e).__name__}: {e}")
                 continue
             return StreamingResponse(self._relay(worker, resp, first), status_code=resp.status,
-                                     media_type="text/event-stream")  # fmt: skip
+                                     headers=_passed_back(resp), media_type="text/event-stream")  # fmt: skip
 
     async def _relay(
         self, worker: Worker, resp: aiohttp.ClientResponse, first: bytes
