@@ -38,8 +38,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_upstream(port: int) -> None:
-    """The trivial upstream, on a thread with its own event loop (daemon: ends with the process)."""
+def _start_upstream(port: int) -> int:
+    """The trivial upstream, on a thread with its own event loop (daemon: ends with the process);
+    returns the thread's native id (its CPU time is read from psutil)."""
     body = json.dumps(_ANSWER).encode()
 
     async def completion(request: web.Request) -> web.Response:
@@ -54,8 +55,10 @@ def _start_upstream(port: int) -> None:
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", ok)
     started = threading.Event()
+    native_id: list[int] = []
 
     def serve() -> None:
+        native_id.append(threading.get_native_id())
         loop = asyncio.new_event_loop()
         runner = web.AppRunner(app, access_log=None)
         loop.run_until_complete(runner.setup())
@@ -65,6 +68,12 @@ def _start_upstream(port: int) -> None:
 
     threading.Thread(target=serve, daemon=True, name="trivial-upstream").start()
     started.wait(30)
+    return native_id[0]
+
+
+def _thread_cpu(tid: int) -> float:
+    t = next(t for t in psutil.Process().threads() if t.id == tid)
+    return t.user_time + t.system_time
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -88,7 +97,7 @@ def _pcts(a: np.ndarray) -> dict[str, float]:
 
 def run_router_overhead(args: argparse.Namespace) -> dict:
     up_port, router_port = _free_port(), _free_port()
-    _start_upstream(up_port)
+    upstream_tid = _start_upstream(up_port)
     upstream, router = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
     cmd = [sys.executable, "-m", "inferd.cli", "router", "--worker-urls", upstream, "--port",
            str(router_port), "--policy", args.policy]  # fmt: skip
@@ -107,6 +116,7 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
                 if i == args.warmup:
                     cpu = router_proc.cpu_times()
                     cpu_start = cpu.user + cpu.system
+                    upstream_cpu_start = _thread_cpu(upstream_tid)
                 for name, base in (("direct", upstream), ("router", router)):
                     start = time.perf_counter()
                     r = c.post(f"{base}/v1/completions", json=payload)
@@ -117,6 +127,10 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
                         times[name].append(elapsed)
             cpu = router_proc.cpu_times()
             cpu_ms = 1000 * (cpu.user + cpu.system - cpu_start) / args.requests
+            # The upstream answers each request twice (direct and through the router).
+            upstream_ms = (
+                1000 * (_thread_cpu(upstream_tid) - upstream_cpu_start) / (2 * args.requests)
+            )
             metrics = c.get(f"{router}/metrics").text
     finally:
         proc.terminate()
@@ -136,6 +150,9 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
         # CPU the router process spent per request: what the added latency comes to on an idle
         # machine (plus loopback), where on a loaded one waiting to be scheduled dominates.
         "router_cpu_ms_per_request": cpu_ms,
+        # A minimal aiohttp server's CPU per request on the same machine: a yardstick for how
+        # much the machine's load inflates CPU time (on an idle core it is a few tens of µs).
+        "upstream_cpu_ms_per_request": upstream_ms,
         "router_routing_ms_mean": 1000 * routing["_sum"] / routing["_count"]
         if routing.get("_count")
         else None,
@@ -145,7 +162,7 @@ def run_router_overhead(args: argparse.Namespace) -> dict:
           f"{report['direct_ms']['p50']:.3f} ms, via router {report['via_router_ms']['p50']:.3f} ms, "
           f"added {report['added_ms_p50']:.3f} ms (p90 {report['added_ms_p90']:.3f} ms); router's "
           f"own routing time mean {report['router_routing_ms_mean'] or 0:.3f} ms; router CPU "
-          f"{cpu_ms:.3f} ms per request")  # fmt: skip
+          f"{cpu_ms:.3f} ms per request (the trivial upstream's: {upstream_ms:.3f} ms)")  # fmt: skip
     print(json.dumps(report))
     return report
 
