@@ -236,27 +236,20 @@ def test_workers_can_be_removed_and_added_at_run_time(workers, round_robin) -> N
     removed = httpx.delete(f"{url}/workers/{w2}")
     assert removed.status_code == 200 and removed.json()["url"] == w2
     assert [w["url"] for w in httpx.get(f"{url}/workers").json()["workers"]] == [workers[0][0].url]
-    count = lambda: metric(
-        httpx.get(f"{url}/metrics").text, "inferd_router:requests_total", worker=w2
-    )
+
+    def count() -> float:
+        return metric(httpx.get(f"{url}/metrics").text, "inferd_router:requests_total", worker=w2)
+
+    def complete() -> int:
+        payload = {"prompt": "hi", "max_tokens": 1}
+        return httpx.post(f"{url}/v1/completions", json=payload, timeout=60).status_code
+
     n = count()
-    for _ in range(3):
-        assert (
-            httpx.post(
-                f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60
-            ).status_code
-            == 200
-        )
+    assert [complete() for _ in range(3)] == [200] * 3
     assert count() == n  # none went to the removed worker
     added = httpx.post(f"{url}/workers", json={"url": w2})
     assert added.status_code == 201 and added.json()["healthy"] is True
-    for _ in range(2):
-        assert (
-            httpx.post(
-                f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60
-            ).status_code
-            == 200
-        )
+    assert [complete() for _ in range(2)] == [200] * 2
     assert count() == n + 1
 
 
