@@ -243,3 +243,34 @@ def test_kv_events_flags() -> None:
         endpoint("--kv-events-config", "{nope")
     with pytest.raises(SystemExit):
         endpoint("--kv-events-config", '{"publisher": "nats"}')
+
+
+def test_the_publisher_never_blocks_the_engine() -> None:
+    """With nobody draining its queue, publishing returns at once and counts what it drops; a
+    subscriber receives what was sent, in the wire format the router decodes."""
+    import zmq
+
+    from inferd.kv.kv_events import ZmqKVEventPublisher, decode_batch
+
+    pub = ZmqKVEventPublisher("tcp://127.0.0.1:*", block_size=16, max_queue=1)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 10_000)
+    sub.connect(pub.endpoint)
+    try:
+        received = None
+        for _ in range(200):  # a SUB socket misses what is sent before it has joined: resend
+            pub.stored([1, 2])
+            if sub.poll(50):
+                received = decode_batch(sub.recv_multipart())[1]
+                break
+        assert received is not None and received["block_size"] == 16
+        assert {"type": "stored", "hashes": [1, 2]} in received["events"]
+        pub.close()  # the sender thread is gone: nothing drains the queue of one
+        dropped = pub.dropped
+        for _ in range(3):
+            pub.removed([3])
+        assert pub.dropped == dropped + 2
+    finally:
+        sub.close()
+        pub.close()

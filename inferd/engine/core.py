@@ -448,6 +448,7 @@ class EngineCore:
         s.prefix_cache_queries_total = sched.prefix_queries_tokens
         s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
+        s.kv_events_dropped_total = getattr(self.kv_events, "dropped", 0)
         budget = sched.budget
         s.step_budget_capped_steps_total = budget.num_capped_steps
         s.step_budget_ttft_rescues_total = budget.num_slo_rescues

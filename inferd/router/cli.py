@@ -47,7 +47,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="exact mode: each worker's KV events endpoint (its `inferd serve "
                    "--kv-events-endpoint`, e.g. tcp://host:5557), one per --worker-urls in order; "
                    "the router then knows which blocks each worker caches")  # fmt: skip
-    g.add_argument("--tokenizer", default=None,
+    g.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
                    help="model file or directory whose tokenizer and chat template key the "
                    "routing (default: the workers' model when it is on this machine, else the "
                    "prompt text)")  # fmt: skip
