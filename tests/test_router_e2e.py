@@ -196,6 +196,7 @@ def test_exact_mode_routes_a_prefix_to_the_worker_holding_it(workers, cluster) -
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8
     assert _counter(router, "inferd_router:requests_total", worker=w2.url) == 1
     assert _counter(router, "inferd_router:routed_prefix_hit_tokens_total", worker=w2.url) >= 8
+    assert _counter(w2, "inferd:kv_events_dropped_total") == 0  # the worker reports its drops
 
 
 def _counter(server: RemoteServer, name: str, **labels: str) -> float:
