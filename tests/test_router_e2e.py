@@ -268,6 +268,32 @@ def test_bench_multi_turn_through_the_router(workers, cache_aware, tiny_gguf, ca
     assert 0.4 < report["cached_share_later_turns"] < 1, report
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_worker(workers, round_robin) -> None:
+    """The router drops its upstream request when its client goes: the worker aborts the
+    request (nothing keeps running for nobody) and the router's load count returns to 0."""
+    url = round_robin.url
+
+    def aborted() -> float:
+        return sum(
+            _counter(s, "inferd:request_success_total", finished_reason="abort") for s, _ in workers
+        )
+
+    before = aborted()
+    payload = {"prompt": "Count: one two", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # streaming: now leave
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [w["load"] for w in httpx.get(f"{url}/workers").json()["workers"]]
+        running = sum(_counter(s, "inferd:num_requests_running") for s, _ in workers)
+        if loads == [0, 0] and running == 0:
+            break
+        assert time.monotonic() < deadline, (loads, running)
+        time.sleep(0.05)
+    assert aborted() == before + 1  # cut short, not run to its LONG tokens
+
+
 async def _stream_one(session: aiohttp.ClientSession, url: str, out: dict) -> dict:
     payload = {"prompt": "Count: one two", "max_tokens": LONG, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
