@@ -585,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":  # Triton kernels run on CPU tensors under its interpreter only
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            import triton_interpreter_compat  # tests/: the interpreter under numpy >= 2.4
+
+            triton_interpreter_compat.apply()
+        except ImportError:  # no triton: the triton section skips itself
+            pass
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2

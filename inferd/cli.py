@@ -1,4 +1,4 @@
-"""The `inferd` command: generate, chat, info, serve, bench."""
+"""The `inferd` command: generate, chat, info, serve, router, bench."""
 
 from __future__ import annotations
 
@@ -322,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    try:
+        from inferd.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
     try:
         from inferd.bench.cli import add_bench_parser
     except ImportError:

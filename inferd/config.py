@@ -202,8 +202,16 @@ class CacheConfig:
     # Bytes of a lazily mapped CPU pool kept faulted in beyond the blocks handed out so far, on
     # idle CPU time (inferd/kv/prefault.py); 0: every page faults on its first write.
     kv_cache_prefault: int = 1 << 30
+    # A ZMQ endpoint the engine binds to publish its prefix cache's BlockStored / BlockRemoved
+    # events on (inferd/kv/kv_events.py), for a router's exact mode; None: no events.
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_events_endpoint is not None and "://" not in self.kv_events_endpoint:
+            raise ValueError(
+                f"--kv-events-endpoint must be a ZMQ endpoint such as tcp://*:5557, got "
+                f"{self.kv_events_endpoint!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"

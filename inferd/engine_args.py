@@ -148,6 +148,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--disable-hybrid-kv-cache-manager", "keep every token's KV in sliding-window layers too "
         "(by default their blocks go back to the pool once they leave the window)",
         action="store_true")
+    add("--kv-events-endpoint", "publish the prefix cache's stored / evicted blocks over ZMQ PUB "
+        "bound here (e.g. tcp://*:5557) for `inferd router --kv-events` (default: off)")
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None,
+                   help='vLLM\'s form of --kv-events-endpoint: \'{"enable_kv_cache_events": true, '
+                   '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'')  # fmt: skip
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     add("--structured-output-timeout", "seconds a JSON schema / regex / grammar may take to "
         "compile" + shown, type=float)
@@ -158,6 +163,26 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         type=float)
 
 
+def _kv_events_config(text: str) -> str | None:
+    """vLLM's --kv-events-config JSON → the endpoint to publish on (None: events off)."""
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    if not cfg.get("enable_kv_cache_events", True):
+        return None
+    if cfg.get("publisher", "zmq") != "zmq":
+        raise argparse.ArgumentTypeError(f"publisher {cfg['publisher']!r}: only zmq is supported")
+    return str(cfg.get("endpoint", "tcp://*:5557"))
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine arguments among `args` (those `add_engine_args` added) → EngineConfig."""
-    return build_engine_config(**{n: getattr(args, n) for n in ENGINE_ARGS if hasattr(args, n)})
+    values = {n: getattr(args, n) for n in ENGINE_ARGS if hasattr(args, n)}
+    if getattr(args, "kv_events_config", None):
+        values["kv_events_endpoint"] = args.kv_events_config
+    return build_engine_config(**values)

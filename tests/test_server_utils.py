@@ -37,17 +37,19 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`python -m inferd.cli serve ARGS` on 127.0.0.1; waits for /health to say 200."""
+    """`python -m inferd.cli COMMAND ARGS` (`serve`, or `router`) on 127.0.0.1; waits for /health
+    to say 200."""
 
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0
-    ) -> None:
-        self.port = free_port()
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0,
+        command: str = "serve", port: int | None = None,
+    ) -> None:  # fmt: skip
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 — open for the server's lifetime
             "w+", prefix="inferd-serve-", suffix=".log", delete=False
         )
-        cmd = [sys.executable, "-m", "inferd.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "inferd.cli", command, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )

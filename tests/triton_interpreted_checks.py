@@ -8,20 +8,10 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from triton.runtime import interpreter
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton_interpreter_compat  # noqa: E402
 
-# Triton 3.6's interpreter turns a kernel's scalars (1-element arrays there) into loop bounds with
-# int(array), which numpy >= 2.4 refuses: the kernels' `range(lo, hi)` over runtime bounds needs
-# the element itself. Everything else of the interpreter is left as it is.
-_patch_lang_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor_numpy24(tensor, scope) -> None:
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
+triton_interpreter_compat.apply()
 
 import torch
 

@@ -8,6 +8,7 @@ def add_bench_parser(sub) -> None:
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
     from inferd.bench.roofline import add_roofline_parser
+    from inferd.bench.router_overhead import add_router_overhead_parser
     from inferd.bench.serve import add_serve_parser
     from inferd.bench.soak import add_soak_parser
     from inferd.bench.spec import add_spec_parser
@@ -23,3 +24,4 @@ def add_bench_parser(sub) -> None:
     add_serve_parser(bench_sub)
     add_spec_parser(bench_sub)
     add_soak_parser(bench_sub)
+    add_router_overhead_parser(bench_sub)

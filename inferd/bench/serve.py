@@ -37,6 +37,7 @@ class BenchServeError(ValueError):
 class Prompt:
     text: str
     output_len: int
+    messages: list[dict] | None = None  # a whole chat history (sent as is; `text` unused)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)  # gaps between successive text chunks
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server says
+    text: list[str] | None = None  # the streamed text, kept when asked (`_send(keep_text=True)`)
 
     @property
     def tpot_s(self) -> float | None:
@@ -77,17 +80,18 @@ async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, endpoint: str, model: str, p: Prompt, ignore_eos: bool
+    session: aiohttp.ClientSession, url: str, endpoint: str, model: str, p: Prompt, ignore_eos: bool,
+    keep_text: bool = False,
 ) -> RequestResult:
     payload: dict = {"model": model, "max_tokens": p.output_len, "temperature": 0.0,
                      "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if ignore_eos:
         payload["ignore_eos"] = True  # vLLM's extra; inferd and llama-server accept it too
     if endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": p.text}]
+        payload["messages"] = p.messages or [{"role": "user", "content": p.text}]
     else:
         payload["prompt"] = p.text
-    res = RequestResult(ok=False)
+    res = RequestResult(ok=False, text=[] if keep_text else None)
     chunks = 0
     start = last = time.perf_counter()
     try:
@@ -103,6 +107,8 @@ async def _send(
                 if msg.get("usage"):
                     res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
                     res.output_tokens = msg["usage"].get("completion_tokens", 0)
+                    details = msg["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 choices = msg.get("choices") or []
                 text = ""
                 if choices:
@@ -111,6 +117,8 @@ async def _send(
                 if not text:
                     continue  # a role-only, finish-only or usage chunk: no token timing
                 now = time.perf_counter()
+                if res.text is not None:
+                    res.text.append(text)
                 if chunks == 0:
                     res.ttft_s = now - start
                 else:
@@ -328,6 +336,10 @@ def _fmt(v: float | None) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> dict:
+    if args.scenario == "multi-turn":
+        from inferd.bench.serve_multiturn import run_multi_turn
+
+        return run_multi_turn(args)
     if args.num_prompts is not None and args.duration is not None:
         raise BenchServeError("give --num-prompts or --duration, not both")
     if args.num_prompts is None and args.duration is None:
@@ -377,6 +389,13 @@ def run_serve(args: argparse.Namespace) -> dict:
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--scenario", choices=["sweep", "multi-turn"], default="sweep",
+                   help="sweep: independent prompts at each --concurrency; multi-turn: chat "
+                   "conversations whose history grows (--conversations × --turns, --input-len "
+                   "tokens per user turn, --concurrency conversations at once): TTFT per turn and "
+                   "the share of history served from the server's cache")  # fmt: skip
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--tokenizer", default=None,

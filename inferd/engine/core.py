@@ -34,6 +34,7 @@ from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
+from inferd.kv.kv_events import make_publisher
 from inferd.kv.kv_groups import KVLayout
 from inferd.loader import LoadedModel, ModelLoadError, load_model
 from inferd.models import build_model, model_spec
@@ -127,7 +128,9 @@ class EngineCore:
         self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
         if self.max_model_len != (wanted or mcfg.max_position_embeddings):
             model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
+        self.kv_events = make_publisher(config.cache.kv_events_endpoint, block_size)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout,
+                            self.kv_events)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
                                    clock=lambda: self.clock())  # fmt: skip
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids, self.runner.readbacks)
@@ -483,6 +486,7 @@ class EngineCore:
         s.prefix_cache_queries_total = sched.prefix_queries_tokens
         s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
+        s.kv_events_dropped_total = getattr(self.kv_events, "dropped", 0)
         budget = sched.budget
         s.step_budget_capped_steps_total = budget.num_capped_steps
         s.step_budget_ttft_rescues_total = budget.num_slo_rescues

@@ -20,6 +20,10 @@ group, every block of the path, and in a windowed group only those its first com
 least recently used units: a windowed group's unreferenced block from any node (a hit point
 further on needs it no more than the hit points it serves), or a whole leaf none of whose blocks
 is in use.
+
+KV events (kv_events.py): with a publisher attached, every node added is published as stored and
+every node removed as removed, under its chained block hash (block_hash.py); a node is one block
+position whatever its groups hold. Without one, no hash is computed.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from inferd.kv.block_hash import ROOT_HASH, block_hash
 from inferd.kv.block_pool import BlockPool
+from inferd.kv.kv_events import NullKVEvents
 from inferd.kv.kv_groups import NULL_BLOCK
 
 # A node's block of a group it does not hold.
@@ -36,10 +42,11 @@ _MISSING = -1
 
 
 class _Node:
-    __slots__ = ("key", "blocks", "parent", "children", "last_access")
+    __slots__ = ("key", "blocks", "parent", "children", "last_access", "hash")
 
     def __init__(self, key: tuple[int, ...], blocks: list[int], parent: _Node | None) -> None:
         self.key = key
+        self.hash = ROOT_HASH  # set when KV events are on
         self.blocks = blocks  # per group: its block, or _MISSING
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
@@ -49,8 +56,10 @@ class _Node:
 class PrefixCache:
     enabled = True
 
-    def __init__(self, pool: BlockPool, block_size: int, windows: Sequence[int | None] = (None,)) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, windows: Sequence[int | None] = (None,),
+                 events=None) -> None:  # fmt: skip
         self.pool = pool
+        self.events = events or NullKVEvents()  # a kv_events publisher
         self.block_size = block_size
         self.windows = tuple(windows)  # per KV group: its sliding window, None for full attention
         self.root = _Node((), [_MISSING] * len(self.windows), None)
@@ -125,6 +134,7 @@ class PrefixCache:
         once; where the tree lacks one the sequence holds, it takes the sequence's."""
         node = self.root
         now = next(self._clock)
+        stored: list[int] = []
         for i, key in enumerate(self._chunks(token_ids, end_block, salt)):
             child = node.children.get(key)
             if child is None:
@@ -132,6 +142,9 @@ class PrefixCache:
                 node.children[key] = child
                 self.num_nodes += 1
                 self.version += 1
+                if self.events.enabled:
+                    child.hash = block_hash(node.hash, key)
+                    stored.append(child.hash)
             for g, table in enumerate(tables):
                 if i < released[g]:
                     continue  # the sequence holds no block there
@@ -147,6 +160,7 @@ class PrefixCache:
                     table[i] = cached
             child.last_access = now
             node = child
+        self.events.stored(stored)
 
     def _drop(self, node: _Node, g: int) -> int:
         block = node.blocks[g]
@@ -177,6 +191,7 @@ class PrefixCache:
                             if n.blocks[g] != _MISSING and self.pool.ref_counts[n.blocks[g]] == 1)  # fmt: skip
         heapq.heapify(heap)
         freed = 0
+        removed: list[int] = []
         while heap and freed < num_blocks:
             _, _, node, g = heapq.heappop(heap)
             if g >= 0:
@@ -191,8 +206,11 @@ class PrefixCache:
                 freed += self._drop(node, gi)
             self.num_nodes -= 1
             self.version += 1
+            removed.append(node.hash)
             if parent is not self.root and self._leaf_evictable(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent, -1))
+        if self.events.enabled:
+            self.events.removed(removed)
         return freed
 
     def reset(self) -> bool:

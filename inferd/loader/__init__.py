@@ -9,8 +9,8 @@ from pathlib import Path
 
 from inferd.loader import conversion_cache
 from inferd.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
-from inferd.loader.gguf_loader import load_gguf
-from inferd.loader.hf_loader import load_hf_dir
+from inferd.loader.gguf_loader import load_gguf, load_gguf_tokenizer
+from inferd.loader.hf_loader import hf_tokenizer, load_hf_config, load_hf_dir
 from inferd.loader.tokenizer import ChatTemplateError, Tokenizer
 from inferd.loader.weights import LoadedModel, ModelLoadError
 
@@ -20,6 +20,7 @@ __all__ = [
     "ModelLoadError",
     "Tokenizer",
     "load_model",
+    "load_tokenizer",
     "resolve_model_path",
     "DEFAULT_MODEL_NAME",
 ]
@@ -73,3 +74,12 @@ def load_model(
             flush=True,
         )
     return loaded
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a GGUF file or HF directory (None: the default
+    model): its weights are not read."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return hf_tokenizer(path, load_hf_config(path))
+    return load_gguf_tokenizer(path)

@@ -282,19 +282,25 @@ def hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     )
 
 
-def load_hf_dir(directory: Path, show_progress: bool = True, keep_quantized: bool = False) -> LoadedModel:
-    """`keep_quantized`: an AWQ / GPTQ checkpoint's layers stay int4 (`QuantizedWeight`), else fp32."""
+def load_hf_config(directory: Path) -> ModelConfig:
+    """The model config of an HF directory (config.json and generation_config.json)."""
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{directory}: not a model directory (no config.json)")
     cfg = _read_json(cfg_path)
     gen_path = directory / "generation_config.json"
     try:
-        config = hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
+        return hf_model_config(cfg, _read_json(gen_path) if gen_path.is_file() else {})
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required field {e.args[0]!r} is missing") from e
     except ValueError as e:  # an architecture or field inferd does not implement, one out of range
         raise ModelLoadError(f"{cfg_path}: {e}") from e
+
+
+def load_hf_dir(directory: Path, show_progress: bool = True, keep_quantized: bool = False) -> LoadedModel:
+    """`keep_quantized`: an AWQ / GPTQ checkpoint's layers stay int4 (`QuantizedWeight`), else fp32."""
+    config = load_hf_config(directory)
+    cfg = _read_json(directory / "config.json")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")

@@ -123,6 +123,11 @@ class _EngineGauges(Collector):
         )
         c.add_metric(labels, s.num_preemptions_total)
         yield c
+        c = CounterMetricFamily("inferd:kv_events_dropped", "KV cache events dropped because the "
+                                "publisher's queue was full (--kv-events-endpoint).",
+                                labels=["model_name"])  # fmt: skip
+        c.add_metric(labels, s.kv_events_dropped_total)
+        yield c
         if s.spec_method:  # speculative decoding on: its counters, labelled by proposer method
             for name, doc, value in (
                 ("spec_decode_num_drafts", "Verification steps of speculative drafts.", s.spec_num_drafts),
