@@ -36,9 +36,24 @@ def _keep_freed_memory() -> None:
 
 _keep_freed_memory()
 
-from inferd.engine.llm import LLM
-from inferd.engine.outputs import CompletionOutput, RequestOutput
-from inferd.sampling.params import SamplingParams
+# The public names load on first use (PEP 562), so that processes which need no engine (the
+# router, the CLI's argument parsing) do not pay for importing torch.
+_PUBLIC = {
+    "LLM": "inferd.engine.llm",
+    "SamplingParams": "inferd.sampling.params",
+    "RequestOutput": "inferd.engine.outputs",
+    "CompletionOutput": "inferd.engine.outputs",
+}
+__all__ = list(_PUBLIC)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'inferd' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 __version__ = "0.1.0"
