@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -194,29 +193,26 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(
     assert_no_leaks(http)
 
 
-def serve_fails(*args: str, env: dict[str, str] | None = None) -> str:
-    """`inferd serve ARGS` exits with status 2 before loading anything; returns its stderr."""
-    done = subprocess.run(
-        [sys.executable, "-m", "inferd.cli", "serve", "--port", "1", *args],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    assert done.returncode == 2, (done.returncode, done.stderr)
-    assert "Traceback" not in done.stderr
-    return done.stderr
+def serve_fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`inferd serve ARGS` exits with status 2 before it loads anything; returns its stderr."""
+    from inferd import cli
+
+    assert cli.main(["--log-level", "WARNING", "serve", "--port", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
 
 
-def test_bad_values_are_refused_with_a_clear_error(tmp_path: Path) -> None:
-    assert "--data-parallel-size must be >= 1, got 0" in serve_fails("--data-parallel-size", "0")
+def test_bad_values_are_refused_with_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    err = serve_fails(capsys, "--data-parallel-size", "0")
+    assert "--data-parallel-size must be >= 1, got 0" in err
     many = str(len(CPUS) + 1)
-    assert f"--data-parallel-size {many} needs a core per replica" in serve_fails(
-        "--data-parallel-size", many
-    )
-    assert f"more than the {len(CPUS) // 2} core(s) each of the 2 replicas" in serve_fails(
-        "--data-parallel-size", "2", "--threads", str(len(CPUS))
-    )
-    # Ray missing: an import of `ray` that fails, as it does where it is not installed.
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
-    err = serve_fails("--data-parallel-size", "2", "--distributed-executor-backend", "ray",
-                      env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    err = serve_fails(capsys, "--data-parallel-size", many)
+    assert f"--data-parallel-size {many} needs a core per replica" in err
+    err = serve_fails(capsys, "--data-parallel-size", "2", "--threads", str(len(CPUS)))
+    assert f"more than the {len(CPUS) // 2} core(s) each of the 2 replicas" in err
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where it is missing
+    err = serve_fails(capsys, "--data-parallel-size", "2", "--distributed-executor-backend", "ray")
     assert "needs Ray: pip install 'inferd[ray]'" in err
