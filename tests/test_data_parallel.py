@@ -216,3 +216,58 @@ def test_bad_values_are_refused_with_a_clear_error(
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where it is missing
     err = serve_fails(capsys, "--data-parallel-size", "2", "--distributed-executor-backend", "ray")
     assert "needs Ray: pip install 'inferd[ray]'" in err
+
+
+def test_least_load_prefers_the_replica_that_took_the_prompts_prefix() -> None:
+    from inferd.server.replica_policy import make_policy
+
+    policy = make_policy("least_load")
+    for w in ("0", "1"):
+        policy.add_worker(w)
+    history = list(range(40))
+    assert policy.select(history, {"0": 0, "1": 0}) == "0"  # no history anywhere: in turn
+    assert policy.select([7] * 40, {"0": 0, "1": 0}) == "1"
+    # The next turn (the history and more) returns to "0" while it is no busier ...
+    assert policy.select(history + [99] * 20, {"0": 0, "1": 0}) == "0"
+    # ... and the least loaded wins when it is.
+    assert policy.select(history + [98] * 20, {"0": 2, "1": 1}) == "1"
+    # The longest routed prefix decides: now "1" holds history + [98]*16.
+    assert policy.select(history + [98] * 30, {"0": 0, "1": 0}) == "1"
+    assert policy.select(history, {"0": 5}) == "0"  # only the serving ones are candidates
+    policy.remove_worker("1")  # a dead replica's cache is gone: so is what it was sent
+    policy.add_worker("1")
+    assert policy.select(history + [98] * 30, {"0": 0, "1": 0}) == "0"
+    rr = make_policy("round_robin")
+    for w in ("0", "1"):
+        rr.add_worker(w)
+    assert [rr.select("x", {"0": 9, "1": 0}) for _ in range(4)] == ["0", "1", "0", "1"]
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        make_policy("nope")
+
+
+def test_totals_sum_the_replicas_and_weigh_the_ratios() -> None:
+    from inferd.engine.engine_loop import StepReport
+    from inferd.engine.stats import EngineStats
+    from inferd.server.metrics import ServerMetrics
+    from inferd.server.replica_metrics import render_replicas
+
+    stats = {"0": EngineStats(num_total_blocks=100, kv_cache_usage=0.5, num_running=2),
+             "1": EngineStats(num_total_blocks=300, kv_cache_usage=0.1, num_running=1)}  # fmt: skip
+    metrics = {r: ServerMetrics("m", lambda s=s: s) for r, s in stats.items()}
+    metrics["0"].on_step(StepReport(None, num_generation_tokens=5, ttfts=[0.1]))
+    metrics["1"].on_step(StepReport(None, num_generation_tokens=7, ttfts=[0.2, 0.3]))
+    text = render_replicas(metrics).decode()
+
+    def value(name: str, **labels: str) -> float:
+        return metric(text, f"inferd:{name}", model_name="m", **labels)
+
+    assert value("generation_tokens_total", replica="0") == 5
+    assert value("generation_tokens_total", replica="1") == 7
+    assert value("generation_tokens_total") == 12
+    assert value("num_requests_running") == 3 and value("num_total_kv_blocks") == 400
+    assert value("kv_cache_usage_perc") == pytest.approx((50 + 30) / 400)
+    assert value("time_to_first_token_seconds_count") == 3
+    assert value("time_to_first_token_seconds_bucket", le="0.25") == 2
+    for line in text.splitlines():  # each family described once
+        if line.startswith("# TYPE"):
+            assert text.count(line + "\n") == 1, line
