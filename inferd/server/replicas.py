@@ -92,8 +92,9 @@ class ReplicaSet:
             metrics = ServerMetrics(model_name, lambda e=engine: e.stats)
             engine.observer = metrics
             supervisor = EngineSupervisor(
-                engine, supervision or SupervisionConfig(), metrics.registry, model_name
-            )
+                engine, supervision or SupervisionConfig(), metrics.registry, model_name,
+                f"replica {i}" if len(engines) > 1 else None,
+            )  # fmt: skip
             replica = Replica(str(i), engine, metrics, supervisor,
                               placements[i] if placements else "")  # fmt: skip
             self.replicas.append(replica)
