@@ -150,7 +150,7 @@ def _process_backends(
         )
     if config.size == 1:  # --threads alone: the single engine's usual binding, fewer threads
         process = ProcessBackend(engine_factory, True, stream_interval, threads=config.threads)
-        return [process.fresh], [f"{config.threads} threads"]
+        return [process.fresh], [""]
     makers, placements = [], []
     for cpus in shares:
         threads = config.threads or len(cpus)
