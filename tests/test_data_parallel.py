@@ -170,6 +170,12 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
         victim.send_signal(signal.SIGKILL)
+        # The server stays healthy on the other replica and says which one is down.
+        wait_until(lambda: http.get("/health").json()["replicas"]["0"]["status"] != "ok", 30)
+        health = http.get("/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["replicas"]["0"]["status"] == "engine_restarting", health.text
+        assert health.json()["replicas"]["1"]["status"] == "ok", health.text
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     for t in threads:
         t.join()
