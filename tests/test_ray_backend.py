@@ -35,7 +35,26 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def mp_server(model: Path) -> Iterator[RemoteServer]:
+    """The mp backend's server, started while Ray starts (the first thing that waits for it)."""
+    box: dict[str, RemoteServer | BaseException] = {}
+
+    def start() -> None:
+        try:
+            box["server"] = RemoteServer(str(model), *ENGINE)
+        except BaseException as e:  # noqa: BLE001 — raised below, in the test's thread
+            box["server"] = e
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    yield box  # type: ignore[misc]
+    thread.join()
+    if isinstance(srv := box["server"], RemoteServer):
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(mp_server) -> Iterator[str]:
     """A local Ray for this module; yields its address."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -61,12 +80,18 @@ def complete_all(url: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def mp_outputs(model: Path) -> list[str]:
-    srv = RemoteServer(str(model), *ENGINE)
+def mp_outputs(mp_server, cluster: str) -> list[str]:
+    deadline = time.monotonic() + 600
+    while "server" not in mp_server:
+        assert time.monotonic() < deadline, "the mp server never started"
+        time.sleep(0.1)
+    srv = mp_server["server"]
+    if isinstance(srv, BaseException):
+        raise srv
     try:
         return [r["choices"][0]["text"] for r in complete_all(srv.url)]
     finally:
-        srv.close()
+        srv.close()  # idle from here on: its memory back for the Ray replicas
 
 
 @pytest.fixture(scope="module")
