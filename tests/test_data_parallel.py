@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from tiny_models import TinySpec, write_gguf
 
 from tests.test_server_utils import RemoteServer, metric
-from tiny_models import TinySpec, write_gguf
 
 NAME = "tiny"
 CPUS = sorted(os.sched_getaffinity(0))
