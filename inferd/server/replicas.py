@@ -122,7 +122,11 @@ class ReplicaSet:
     # ---- state ----------------------------------------------------------------------------
     @property
     def serving(self) -> list[Replica]:
-        return [r for r in self.replicas if r.engine.ready]
+        """The replicas that take requests: the ready ones, less those stalled (no progress with
+        work queued) while another one is not."""
+        ready = [r for r in self.replicas if r.engine.ready]
+        moving = [r for r in ready if r.supervisor.stalled_since is None]
+        return moving or ready
 
     @property
     def ready(self) -> bool:
