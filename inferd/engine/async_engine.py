@@ -131,6 +131,10 @@ class ThreadBackend:
             except RuntimeError:  # the loop is closed: the server is shutting down
                 pass
 
+        self.start_delivering(deliver)
+
+    def start_delivering(self, deliver: Callable[[Message], None]) -> None:
+        """Start the engine thread; it hands each message to `deliver` (on the engine thread)."""
         self._deliver = deliver
         self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
         self._thread.start()
@@ -207,10 +211,18 @@ class RequestStream:
         self._buffered = 0
         self._ended = False  # its last update (output or error) is in `_updates`
         self._deadline: asyncio.TimerHandle | None = None
+        self.command: AddRequest | None = None  # what was submitted: another engine can retake it
+        self.has_news = False  # the engine sent it something (tokens, its end, an error)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine that runs the request now."""
+        return self._engine
 
     def _put(self, update: RequestUpdate) -> None:
         if self._ended:
             return  # failed here already (deadline, overflow): the engine's late news is moot
+        self.has_news = True
         self._updates.append(update)
         self._ended = update.finished
         limit = self.max_buffered_tokens
@@ -313,6 +325,8 @@ class AsyncEngine:
     this whole process to the last CPU: for a process that only serves HTTP (`inferd serve`).
     `stream_interval` (SGLang's `--stream-interval`): the engine loop sends a request's first
     tokens at once, then holds its news until they bring that many tokens (or the request ends).
+    `make_backend`: where the engine runs, when neither a thread nor the default process (a
+    replica's pinned process, a Ray actor); called again for each restart.
     """
 
     def __init__(
@@ -325,6 +339,7 @@ class AsyncEngine:
         bind_cpus: bool = False,
         stream_interval: int = 1,
         max_stream_buffer_tokens: int | None = None,
+        make_backend: Callable[[], EngineBackend] | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -337,12 +352,15 @@ class AsyncEngine:
         self.observer = observer
         self.engine_process = engine_process
         self._make_backend: Callable[[], EngineBackend]
-        if engine_process:
+        if make_backend is not None:
+            self._make_backend = make_backend
+            self._backend: EngineBackend = make_backend()
+        elif engine_process:
             from inferd.engine.engine_proc import ProcessBackend
 
             process = ProcessBackend(engine_factory, bind_cpus, stream_interval)
             self._make_backend = process.fresh
-            self._backend: EngineBackend = process
+            self._backend = process
         else:
             self._make_backend = lambda: ThreadBackend(engine_factory, stream_interval)
             self._backend = self._make_backend()
@@ -350,6 +368,9 @@ class AsyncEngine:
         # stream overflowed. `num_messages` counts what the engine sent: its heartbeat.
         self.on_exit: Callable[[str], None] | None = None
         self.on_stream_overflow: Callable[[RequestStream], None] | None = None
+        # The engine died with `stream`'s request accepted and no news of it sent yet: True when
+        # the hook gave it to another engine (`adopt`), so its client never learns of the death.
+        self.reroute: Callable[[RequestStream], bool] | None = None
         self.num_messages = 0
         self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
@@ -360,6 +381,7 @@ class AsyncEngine:
         self._started = False
         self._streams: dict[str, RequestStream] = {}
         self._accepting: dict[str, asyncio.Future[None]] = {}  # by request id
+        self._adopting: set[str] = set()  # ids in `_accepting` that came by `adopt`
         self._calls: dict[int, asyncio.Future[object]] = {}
         self._call_ids = itertools.count()
         self._num_unscheduled = 0  # submitted, not yet scheduled by the engine: the waiting queue
@@ -429,6 +451,11 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self._num_unscheduled
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished: this engine's load, as a router counts it."""
+        return len(self._streams)
+
     # ---- requests -------------------------------------------------------------------------
     async def add_request(
         self,
@@ -461,9 +488,10 @@ class AsyncEngine:
         self._streams[request_id] = updates
         self._accepting[request_id] = accepted
         self._num_unscheduled += 1
-        self._backend.send(
-            AddRequest(request_id, prompt, params, priority, time.monotonic(), stream=stream)
+        updates.command = AddRequest(
+            request_id, prompt, params, priority, time.monotonic(), stream=stream
         )
+        self._backend.send(updates.command)
         try:
             await accepted
         except BaseException:
@@ -476,6 +504,36 @@ class AsyncEngine:
             self._backend.send(AbortRequest(request_id))
             raise
         return updates
+
+    def adopt(self, stream: RequestStream) -> None:
+        """Run `stream`'s request here after the engine that accepted it died before sending any
+        news of it: the same stream object goes on, fed by this engine. A refusal here ends the
+        stream with its error."""
+        self._check_serving()
+        command = stream.command
+        assert command is not None and not stream.has_news
+        rid = command.request_id
+        if rid in self._streams:
+            raise RequestError(f"request id {rid!r} is already in use")
+        assert self._loop is not None
+        stream._engine = self
+        stream.scheduled = False
+        self._streams[rid] = stream
+        self._num_unscheduled += 1
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        self._accepting[rid] = accepted
+        self._adopting.add(rid)
+
+        def settled(future: asyncio.Future[None]) -> None:
+            self._adopting.discard(rid)
+            error = None if future.cancelled() else future.exception()
+            if error is not None and self._streams.get(rid) is stream:
+                del self._streams[rid]
+                self._mark_scheduled(stream)
+                stream._put(RequestUpdate([], time.monotonic(), error=error))
+
+        accepted.add_done_callback(settled)
+        self._backend.send(command)
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
@@ -590,13 +648,22 @@ class AsyncEngine:
         self._exited = reason
         self._ready.set()
         error = EngineDeadError(reason)
+        # Their `add_request` callers get the error (a router retries elsewhere); adopted
+        # streams have readers already, and go on below like any accepted one.
+        accepting = set(self._accepting) - self._adopting
+        self._adopting.clear()
         for future in [*self._accepting.values(), *self._calls.values()]:
             _settle(future, None, error)
         self._accepting.clear()
         self._calls.clear()
-        for stream in list(self._streams.values()):
-            stream._put(RequestUpdate([], time.monotonic(), error=error))
+        streams = list(self._streams.values())
         self._streams.clear()
+        for stream in streams:
+            if stream.request_id in accepting:
+                continue
+            if not stream.has_news and self.reroute is not None and self.reroute(stream):
+                continue
+            stream._put(RequestUpdate([], time.monotonic(), error=error))
         if self.on_exit is not None:
             self.on_exit(reason)
 

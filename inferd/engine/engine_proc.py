@@ -33,7 +33,7 @@ import select
 import signal
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import cloudpickle
@@ -136,6 +136,15 @@ def _bind_cpus(process: multiprocessing.process.BaseProcess, cpus: list[int]) ->
     return cpus[-1]
 
 
+def pin_process(cpus: Sequence[int]) -> None:
+    """Pin every thread of this process to `cpus` (threads started later inherit the mask)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
 # ---- a step's news on the wire: tuples, not dataclasses --------------------------------------
 # Slotted dataclasses pickle through `__getstate__`/`__setstate__` written in Python: a one-token
 # StepDone took ~19 µs to pickle and ~14 µs to unpickle, ~8× that on the cold caches of a process
@@ -175,6 +184,24 @@ def decode_step(wire: tuple) -> StepDone:
     return StepDone(updates, scheduled, report)
 
 
+def encode_message(message: Message) -> bytes:
+    """A message from the engine as bytes (a step as tuples; what does not pickle, replaced)."""
+    wire: object = message
+    if isinstance(message, StepDone):
+        wire = encode_step(message)
+    elif isinstance(message, Loaded) and message.error is not None:
+        wire = Loaded(None, None, _picklable_error(message.error))
+    try:
+        return pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 — a call's result or an error that does not pickle
+        return pickle.dumps(_picklable(message), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_message(blob: bytes) -> Message:
+    message = pickle.loads(blob)
+    return decode_step(message) if type(message) is tuple else message
+
+
 def _refusal(command: Command | None, error: Exception) -> Replies:
     """The answer to a command that could not be sent (a call's function, a request's
     parameters that do not pickle): its caller gets the error, the engine never sees it."""
@@ -195,13 +222,20 @@ class ProcessBackend:
         engine_factory: Callable[[], EngineCore],
         bind_cpus: bool = False,
         stream_interval: int = 1,
+        cpus: Sequence[int] | None = None,
+        threads: int | None = None,
     ) -> None:
+        """`cpus`: the cores of this engine alone (a data-parallel replica's share): its process
+        is pinned to them and the front end is not moved. `threads`: torch's threads in the
+        engine (default: one per core it may use)."""
         # Pickled now, so a factory that cannot travel fails where it is built, not at start-up.
         self._factory_blob = cloudpickle.dumps(engine_factory)
         # Binding moves this whole process to one CPU: right for `inferd serve`, whose process
         # is the front end; wrong for a library caller (a test suite ran 2x slower after it).
-        self._bind = bind_cpus
+        self._bind = bind_cpus and cpus is None
         self._cpus = sorted(os.sched_getaffinity(0))  # before this process moves (`_bind_cpus`)
+        self._pinned = sorted(cpus) if cpus is not None else None
+        self._threads = threads
         self._stream_interval = stream_interval
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None  # our ends of the two pipes
@@ -216,7 +250,8 @@ class ProcessBackend:
         self._process = ctx.Process(
             target=serve_engine,
             args=(self._factory_blob, commands_in, messages_out,
-                  logging.getLogger().getEffectiveLevel(), self._stream_interval),
+                  logging.getLogger().getEffectiveLevel(), self._stream_interval,
+                  self._pinned, self._threads),
             name="inferd-engine",
             daemon=True,  # killed with the server if it exits without a shutdown
         )  # fmt: skip
@@ -310,10 +345,7 @@ class ProcessBackend:
                 self._on_message(Exited(f"the engine process stopped{self._exit_status()}"))
                 return
             for frame in self._reader.feed(data):
-                message = pickle.loads(frame)
-                if type(message) is tuple:
-                    message = decode_step(message)
-                self._on_message(message)
+                self._on_message(decode_message(frame))
             if len(data) < _READ_SIZE:
                 return
 
@@ -327,23 +359,25 @@ def serve_engine(
     messages: Connection,
     log_level: int,
     stream_interval: int = 1,
+    cpus: Sequence[int] | None = None,
+    threads: int | None = None,
 ) -> None:
     """The engine process's main: build the engine, then run its loop until told to stop."""
     from inferd.logging_setup import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
     configure_logging(log_level)
+    if cpus is not None:
+        pin_process(cpus)
+    if threads is not None or cpus is not None:
+        import torch
+
+        torch.set_num_threads(threads or len(cpus or ()))
     commands_fd, messages_fd = commands.fileno(), messages.fileno()
     reader = FrameReader()
 
     def emit(message: Message) -> None:
-        wire: object = message
-        if isinstance(message, StepDone):
-            wire = encode_step(message)
-        try:
-            blob = pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 — a call's result or an error that does not pickle
-            blob = pickle.dumps(_picklable(message), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = encode_message(message)
         try:
             write_frame(messages_fd, blob)
         except (BrokenPipeError, ConnectionResetError):
@@ -370,7 +404,7 @@ def serve_engine(
         info = EngineInfo.of(core)
     except BaseException as e:
         logging.getLogger("inferd.async_engine").exception("engine failed to load")
-        emit(Loaded(None, None, _picklable_error(e)))
+        emit(Loaded(None, None, e))
         return
     engine_loop = EngineLoop(core, emit, stream_interval)
     freeze_heap()

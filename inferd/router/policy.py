@@ -62,6 +62,12 @@ class RoutingPolicy(ABC):
             raise LookupError("no worker to route to")
         return self._choose(key if isinstance(key, str) else tuple(key), loads)
 
+    def candidates(self, loads: Mapping[str, int]) -> list[str]:
+        """The workers a request may go to: those `loads` names (the callers pass the healthy,
+        serving ones), in the order added; every worker where it names none of them."""
+        named = [w for w in self.workers if w in loads]
+        return named or self.workers
+
     @abstractmethod
     def _choose(self, key: Key, loads: Mapping[str, int]) -> Choice: ...
 
@@ -77,16 +83,17 @@ class RoundRobinPolicy(RoutingPolicy):
         self._next = itertools.count()
 
     def _choose(self, key: Key, loads: Mapping[str, int]) -> Choice:
-        return Choice(self.workers[next(self._next) % len(self.workers)], 0, len(key))
+        workers = self.candidates(loads)
+        return Choice(workers[next(self._next) % len(workers)], 0, len(key))
 
 
 class LeastLoadPolicy(RoundRobinPolicy):
     name = "least_load"
 
     def _choose(self, key: Key, loads: Mapping[str, int]) -> Choice:
+        workers = self.candidates(loads)
         start = next(self._next)
-        n = len(self.workers)
-        order = [self.workers[(start + i) % n] for i in range(n)]  # ties go in turn
+        order = [workers[(start + i) % len(workers)] for i in range(len(workers))]  # ties go in turn
         return Choice(min(order, key=lambda w: loads.get(w, 0)), 0, len(key))
 
 
@@ -98,7 +105,7 @@ class RandomPolicy(RoutingPolicy):
         self._rng = random.Random(seed)
 
     def _choose(self, key: Key, loads: Mapping[str, int]) -> Choice:
-        return Choice(self._rng.choice(self.workers), 0, len(key))
+        return Choice(self._rng.choice(self.candidates(loads)), 0, len(key))
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -154,10 +161,11 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def _choose(self, key: Key, loads: Mapping[str, int]) -> Choice:
         matched = self.matched(key)
-        load = {w: loads.get(w, 0) for w in self.workers}
+        workers = self.candidates(loads)
+        load = {w: loads.get(w, 0) for w in workers}
         lo, hi = min(load.values()), max(load.values())
         imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
-        cold = max(matched.values()) < self.cache_threshold * len(key)
+        cold = max(matched[w] for w in workers) < self.cache_threshold * len(key)
 
         def cost(w: str) -> tuple[float, int]:
             # Ties (equal loads): the smaller tree, which spreads new prefixes over the workers;
@@ -166,7 +174,7 @@ class CacheAwarePolicy(RoutingPolicy):
                 return (load[w], self.trees[w].size)
             return ((len(key) - matched[w]) * self.prefix_weight + load[w], self.trees[w].size)
 
-        best = min(self.workers, key=cost)
+        best = min(workers, key=cost)
         self.trees[best].insert(key)
         return Choice(best, matched[best], len(key))
 

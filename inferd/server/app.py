@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 import inferd
 from inferd.engine.async_engine import AsyncEngine
@@ -21,7 +21,7 @@ from inferd.server.debug import install_debug_routes
 from inferd.server.errors import APIError, api_errors, error_response, install_error_handlers
 from inferd.server.http_timeouts import BodyTimeoutMiddleware
 from inferd.server.limits import AdmissionLimits
-from inferd.server.metrics import CONTENT_TYPE, ServerMetrics
+from inferd.server.metrics import CONTENT_TYPE
 from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from inferd.server.protocol import (
     ChatCompletionRequest,
@@ -33,10 +33,11 @@ from inferd.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from inferd.server.replicas import Replica, ReplicaSet, model_loading_error
 from inferd.server.serving_chat import create_chat_completion, render_chat
-from inferd.server.serving_common import ServerState, encode, model_loading_error
+from inferd.server.serving_common import ServerState, encode
 from inferd.server.serving_completions import create_completion
-from inferd.server.supervisor import EngineSupervisor, SupervisionConfig
+from inferd.server.supervisor import SupervisionConfig
 
 logger = logging.getLogger("inferd.server")
 
@@ -44,7 +45,7 @@ DEFAULT_MAX_REQUEST_BYTES = 10 << 20
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | ReplicaSet,
     served_model_names: list[str],
     *,
     api_key: str | list[str] | None = None,
@@ -60,54 +61,57 @@ def build_app(
     supervision: SupervisionConfig | None = None,
     enable_debug_endpoints: bool = False,
 ) -> FastAPI:
-    """An app serving `engine` (not started yet: the app's lifespan starts and stops it).
+    """An app serving `engine`, or several replicas of it (not started yet: the app's lifespan
+    starts and stops them).
 
-    `on_ready(engine)` is called once the model has loaded (the CLI logs the startup line there).
+    `on_ready(replica)` is called once each replica has loaded (the CLI logs the startup lines).
     `tool_call_parser`: how tool calls are read from outputs (a name in TOOL_PARSERS, or "auto").
     `limits`: admission limits (limits.py); `body_timeout`: seconds to read a body (408 after);
     `prefix_cache_isolation` (privacy.py), `allow_control_tokens_in_content` (control_tokens.py).
     `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
-    defaults); `enable_debug_endpoints`: /debug/* (debug.py).
+    defaults), for a lone `engine` (a `ReplicaSet` has its own); `enable_debug_endpoints`:
+    /debug/* (debug.py).
     """
-    metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
-    engine.observer = metrics
+    if isinstance(engine, AsyncEngine):
+        engine = ReplicaSet([engine], served_model_names[0], supervision)
+    replicas = engine
     state = ServerState(
-        engine, served_model_names, metrics, max_log_len, log_requests, tool_call_parser,
+        replicas, served_model_names, max_log_len, log_requests, tool_call_parser,
         limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
         allow_control_tokens_in_content=allow_control_tokens_in_content,
     )  # fmt: skip
-    state.supervisor = EngineSupervisor(
-        engine, supervision or SupervisionConfig(), metrics.registry, served_model_names[0]
-    )
-    # Set once the startup line is logged: /health says 200 only then, so whatever waits for it
-    # (a supervisor, a test) finds the line (on uvloop the health request could run first).
+    # Set once every replica's startup line is logged: /health says 200 only then, so whatever
+    # waits for it (a supervisor, a test) finds the lines (on uvloop the health request could
+    # run first).
     started = threading.Event()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import asyncio
 
-        engine.start()
-        assert state.supervisor is not None
-        state.supervisor.start()
+        replicas.start()
 
-        async def announce() -> None:
+        async def announce(replica: Replica) -> None:
             try:
-                await engine.wait_ready()
+                await replica.engine.wait_ready()
             except Exception as e:  # noqa: BLE001 — a failed load is reported by /health
                 logger.error("%s", e)
                 return
             if on_ready is not None:
-                on_ready(engine)
-            started.set()
+                on_ready(replica)
 
-        task = asyncio.create_task(announce())
+        async def announce_all() -> None:
+            await asyncio.gather(*(announce(r) for r in replicas.replicas))
+            if replicas.ready:
+                started.set()
+
+        task = asyncio.create_task(announce_all())
         try:
             yield
         finally:
             task.cancel()
-            state.supervisor.close()
-            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+            replicas.close()
+            await asyncio.get_running_loop().run_in_executor(None, replicas.shutdown)
 
     app = FastAPI(
         title="inferd",
@@ -140,8 +144,8 @@ def build_app(
     @app.get("/v1/models")
     @api_errors
     async def models() -> ModelList:
-        state.ready_engine()
-        source = engine.info.source if engine.info is not None else None
+        info = state.ready_replicas().info
+        source = info.source if info is not None else None
         cards = [
             ModelCard(
                 id=name,
@@ -156,29 +160,29 @@ def build_app(
     @app.get("/health", response_model=None)
     @api_errors
     async def health() -> Response:
-        if (err := state.supervisor.health_error()) is not None:  # type: ignore[union-attr]
-            return error_response(err)
-        if engine.ready and started.is_set():
+        """200 while a replica serves (several replicas: each one's status in the body); else
+        the 503 that says why none does."""
+        error, statuses = replicas.health()
+        if error is not None:
+            return error_response(error)
+        if not started.is_set():
+            return error_response(model_loading_error())  # the startup lines are not out yet
+        if len(statuses) == 1:
             return Response(status_code=200)
-        if engine.ready:
-            return error_response(model_loading_error())  # the startup line is not out yet
-        try:
-            state.ready_engine()
-        except APIError as e:
-            return error_response(e)
-        return error_response(APIError(503, "the engine is not running", code="engine_dead"))
+        return JSONResponse({"status": "ok", "replicas": statuses})
 
     @app.get("/metrics", response_model=None)
     @api_errors
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(replicas.render_metrics(), media_type=CONTENT_TYPE)
 
     @app.post("/reset_prefix_cache")
     @api_errors
     async def reset_prefix_cache() -> dict[str, bool]:
-        """Flush the prefix cache (blocks running requests use stay); `reset` says if it emptied."""
-        state.ready_engine()
-        return {"reset": await engine.call(lambda core: core.reset_prefix_cache())}
+        """Flush the prefix cache (blocks running requests use stay); `reset` says if it emptied
+        (on every serving replica)."""
+        done = await state.ready_replicas().call_all(lambda core: core.reset_prefix_cache())
+        return {"reset": all(done)}
 
     @app.get("/version")
     @api_errors

@@ -7,6 +7,7 @@ import logging
 
 from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from inferd.server.data_parallel import add_data_parallel_args, data_parallel_config
 from inferd.server.http_timeouts import add_timeout_args, uvicorn_options
 from inferd.server.limits import add_limit_args, limits_from_args
 from inferd.server.privacy import PREFIX_CACHE_ISOLATION
@@ -104,6 +105,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     add_supervision_args(g)
     g.add_argument("--uvicorn-log-level", default="warning")
+    add_data_parallel_args(p)
     add_limit_args(p)
     add_timeout_args(p)
     p.set_defaults(func=cmd_serve)
@@ -129,14 +131,16 @@ def served_names(args: argparse.Namespace) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.core import EngineCore
     from inferd.server.app import build_app
+    from inferd.server.data_parallel import build_replicas
+    from inferd.server.replicas import Replica
     from inferd.server.stream_guards import with_transport_in_scope
 
     limits = limits_from_args(args)  # validated here, before the port opens
     config = engine_config_from_args(args)  # validated here, before the port opens
     supervision = supervision_config(args)
+    data_parallel = data_parallel_config(args)
     template = None
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -151,13 +155,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     names = served_names(args)
 
-    def on_ready(async_engine: AsyncEngine) -> None:
-        e = async_engine.info
+    def on_ready(replica: Replica) -> None:
+        e = replica.engine.info
         assert e is not None
-        stats = async_engine.stats
+        stats = replica.engine.stats
         logger.info(
-            "serving %s (%s) as %s: dtype %s on %s, max_model_len %d, KV cache %d blocks "
+            "%sserving %s (%s) as %s: dtype %s on %s, max_model_len %d, KV cache %d blocks "
             "× %d tokens = %d tokens; API at %s/v1 (auth %s)",
+            f"replica {replica.id} ({replica.placement}): " if replica.placement else "",
             e.source,
             e.file_type,
             ", ".join(names),
@@ -171,16 +176,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "on" if args.api_key else "off",
         )
 
-    engine = AsyncEngine(
+    # The front end admits by --max-queue-len (limits.py): the engines keep no queue limit.
+    replicas = build_replicas(
+        data_parallel,
         build_engine,
-        max_queue_len=None,  # the front end admits by --max-queue-len (limits.py)
+        names[0],
+        supervision,
         engine_process=args.engine_process,
-        bind_cpus=args.engine_process,  # this process only serves HTTP: it may move
         stream_interval=args.stream_interval,
         max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
     )
+    if data_parallel.size > 1:
+        logger.info("%d replicas (%s backend, routed by %s): %s; HTTP front end unpinned",
+                    data_parallel.size, data_parallel.backend, data_parallel.router_policy,
+                    "; ".join(f"replica {r.id} on {r.placement}" for r in replicas.replicas))  # fmt: skip
     app = build_app(
-        engine,
+        replicas,
         names,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,

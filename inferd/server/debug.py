@@ -3,7 +3,7 @@ internet (the leak check flushes the prefix cache).
 
 POST /debug/check_no_leaks runs the engine's KV integrity check between steps when it is idle:
 every block free or held by the prefix cache alone, and a flush of the cache empties the pool.
-200 `{"ok": true, ...}` when it holds; 409 `engine_busy` while requests run; 500 `kv_leak` when
+Every serving replica is checked; 200 `{"ok": true, ...}` (blocks summed) when it holds; 409 `engine_busy` while requests run; 500 `kv_leak` when
 it fails.
 """
 
@@ -35,10 +35,12 @@ def install_debug_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/debug/check_no_leaks")
     @api_errors
     async def check_no_leaks() -> dict[str, Any]:
-        result = await state.ready_engine().call(_check)
-        if not result.pop("idle"):
+        results = await state.ready_replicas().call_all(_check)
+        if not all(r["idle"] for r in results):
             raise APIError(409, "requests are running; retry when the engine is idle",
                            code="engine_busy")  # fmt: skip
-        if not result["ok"]:
-            raise APIError(500, f"KV integrity check failed: {result['error']}", code="kv_leak")
-        return result
+        if failed := [r["error"] for r in results if not r["ok"]]:
+            raise APIError(500, f"KV integrity check failed: {'; '.join(failed)}", code="kv_leak")
+        # Summed over the serving replicas.
+        return {"ok": True, "num_total_blocks": sum(r["num_total_blocks"] for r in results),
+                "num_free_blocks": sum(r["num_free_blocks"] for r in results)}  # fmt: skip

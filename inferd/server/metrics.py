@@ -267,7 +267,7 @@ class ServerMetrics:
         ttfts += report.ttfts
         itls += report.inter_token_latencies
         if len(itls) >= _MAX_PENDING:
-            self._flush()
+            self.flush()
         m = self.model_name
         for done in report.finished:
             self.request_success.labels(m, done.finish_reason).inc()
@@ -281,7 +281,7 @@ class ServerMetrics:
             if out.metrics is not None and out.metrics.num_cached_tokens:
                 self.prefix_cache_hits.labels(m).inc(out.metrics.num_cached_tokens)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         prompt_tokens, generation_tokens, *histograms = self._step_children
         if self._num_prompt:
             prompt_tokens.inc(self._num_prompt)
@@ -294,5 +294,5 @@ class ServerMetrics:
             values.clear()
 
     def render(self) -> bytes:
-        self._flush()
+        self.flush()
         return generate_latest(self.registry)

@@ -9,28 +9,25 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from inferd.engine.async_engine import AsyncEngine, RequestStream, RequestUpdate
+from inferd.engine.async_engine import RequestStream, RequestUpdate
 from inferd.loader.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.fair_share import share_window
 from inferd.server.limits import AdmissionLimits, check_queue, check_request
-from inferd.server.metrics import ServerMetrics
 from inferd.server.privacy import bearer_token, cache_salt, shown_prompt
 from inferd.server.protocol import _SamplingFields
+from inferd.server.replicas import ReplicaSet
 from inferd.server.stream_guards import Deadline, check_timeout, drop_client_on_overflow
 from inferd.structured import StructuredOutputsParams
 from inferd.structured.tool_parsers import ToolParser, tool_parser
-
-if TYPE_CHECKING:
-    from inferd.server.supervisor import EngineSupervisor
 
 logger = logging.getLogger("inferd.server")
 
@@ -40,15 +37,10 @@ MAX_N = 128  # OpenAI's own limit on `n`; also bounds the sequences one request 
 _INT64 = 2**63  # seeds and top_k end up in int64 tensors / torch.Generator
 
 
-def model_loading_error() -> APIError:
-    return APIError(503, "the model is still loading; retry shortly", code="model_loading")
-
-
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    replicas: ReplicaSet  # the engines (one, or --data-parallel-size of them)
     served_model_names: list[str]
-    metrics: ServerMetrics
     max_log_len: int | None = None
     log_requests: bool = False
     tool_call_parser: str = "auto"  # --tool-call-parser: a name in TOOL_PARSERS, or "auto"
@@ -56,7 +48,6 @@ class ServerState:
     prefix_cache_isolation: str = "none"  # privacy.py
     allow_control_tokens_in_content: bool = False  # control_tokens.py
     created: int = field(default_factory=lambda: int(time.time()))
-    supervisor: EngineSupervisor | None = None  # restarts, heartbeat (supervisor.py)
 
     @property
     def model_name(self) -> str:
@@ -74,23 +65,15 @@ class ServerState:
             code="model_not_found",
         )
 
-    def ready_engine(self) -> AsyncEngine:
-        """The engine, or 503 while the model loads (or after it failed)."""
-        if not self.engine.ready:
-            if self.supervisor is not None and (err := self.supervisor.request_error()):
-                raise err
-            if self.engine.load_error is not None:
-                raise APIError(
-                    503, f"the model failed to load: {self.engine.load_error}", code="engine_dead"
-                )
-            if self.engine.dead_reason is not None:
-                raise APIError(503, f"{self.engine.dead_reason}; restart the server", code="engine_dead")
-            raise model_loading_error()
-        return self.engine
+    def ready_replicas(self) -> ReplicaSet:
+        """The replicas, or 503 while none serves (the model loads, or failed, or died)."""
+        if not self.replicas.ready:
+            raise self.replicas.request_error()
+        return self.replicas
 
     @property
     def tokenizer(self) -> Tokenizer:
-        info = self.ready_engine().info
+        info = self.ready_replicas().info
         assert info is not None
         return info.tokenizer  # the front end's own copy: encode/decode/render are pure
 
@@ -100,7 +83,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        info = self.ready_engine().info
+        info = self.ready_replicas().info
         assert info is not None
         return info.max_model_len
 
@@ -109,7 +92,7 @@ class ServerState:
         prefix-cache salt (privacy.py)."""
         key = bearer_token(raw)
         check_request(self.limits, req, prompts=prompts, api_key=key)
-        check_queue(self.limits, self.ready_engine().num_waiting)
+        check_queue(self.limits, self.ready_replicas().num_waiting)
         return cache_salt(self.prefix_cache_isolation, req.cache_salt, key)
 
     def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -263,20 +246,23 @@ async def add_requests(
     `timeout`: seconds from now until the requests are aborted with a 408 (stream_guards.py).
     """
     check_timeout(timeout)
-    engine = state.ready_engine()
-    counter = state.supervisor.request_timeouts_total.inc if state.supervisor else None
-    deadline = Deadline(timeout, counter)
+    replicas = state.ready_replicas()
+    streams: list[RequestStream] = []
+
+    def count_timeout() -> None:  # once per request, on the replica of its first prompt
+        replicas.supervisor_of(streams[0]).request_timeouts_total.inc()
+
+    deadline = Deadline(timeout, count_timeout)
 
     async def submit(i: int) -> RequestStream:
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         state.log_request(rid, texts[i] if texts else prompts[i], params)
-        accepted = await engine.add_request(rid, prompts[i], params, priority, stream)
+        accepted = await replicas.add_request(rid, prompts[i], params, priority, stream)
         deadline.arm(accepted)
         return accepted
 
     # The first window now (all or none); the rest as earlier ones end (fair_share.py).
     window = state.limits.max_concurrent_prompts
-    streams: list[RequestStream] = []
     try:
         for i in range(min(window, len(prompts))):
             streams.append(await submit(i))

@@ -83,8 +83,11 @@ class EngineSupervisor:
         config: SupervisionConfig,
         registry: CollectorRegistry,
         model_name: str,
+        replica: str | None = None,
     ) -> None:
+        """`replica`: its name in the log lines, when there are several ("replica 1")."""
         self.engine = engine
+        self._log = f"{replica}: " if replica else ""
         self.config = config
         lbl = ["model_name"]
         self.restarts_total = Counter("inferd:engine_restarts", "Engine process restarts.",
@@ -165,11 +168,11 @@ class EngineSupervisor:
                 f"{reason}, and it has been restarted {self.restarts} times already "
                 f"(--max-engine-restarts {self.config.max_restarts}); restart the server"
             )
-            logger.error("%s", self.gave_up)
+            logger.error("%s%s", self._log, self.gave_up)
             return
         delay = self.config.restart_backoff_s * 2**self.restarts
         self.restarting = reason
-        logger.error("%s; restarting it in %.1f s", reason, delay)
+        logger.error("%s%s; restarting it in %.1f s", self._log, reason, delay)
         self._spawn(self._restart(delay))
 
     async def _restart(self, delay: float) -> None:
@@ -184,8 +187,8 @@ class EngineSupervisor:
         except Exception:  # noqa: BLE001 — it died again: `_on_exit` has scheduled the next
             return
         self.restarting = None
-        logger.warning("engine restarted (%d of at most %d); serving again", self.restarts,
-                       self.config.max_restarts)  # fmt: skip
+        logger.warning("%sengine restarted (%d of at most %d); serving again", self._log,
+                       self.restarts, self.config.max_restarts)  # fmt: skip
 
     # ---- heartbeat ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -199,12 +202,12 @@ class EngineSupervisor:
             if engine.num_messages != seen or not engine.has_work or not engine.ready:
                 seen, since = engine.num_messages, now
                 if self.stalled_since is not None:
-                    logger.warning("the engine is making progress again")
+                    logger.warning("%sthe engine is making progress again", self._log)
                     self.stalled_since = None
             elif self.stalled_since is None and now - since > timeout:
                 self.stalled_since = now
-                logger.error("the engine has made no progress for %.0f s with requests in "
-                             "flight", now - since)  # fmt: skip
+                logger.error("%sthe engine has made no progress for %.0f s with requests in "
+                             "flight", self._log, now - since)  # fmt: skip
 
     # ---- counters -------------------------------------------------------------------------
     def _on_overflow(self, stream: RequestStream) -> None:
