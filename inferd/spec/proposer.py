@@ -80,6 +80,10 @@ def build_proposer(ctx: ProposerContext) -> Proposer:
         from inferd.spec.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from inferd.spec.suffix import SuffixProposer
+
+        return SuffixProposer(spec)
     if spec.method == "draft_model":
         from inferd.spec.draft_model import DraftModelProposer
 

@@ -1,0 +1,245 @@
+"""The shared index of suffix decoding: recent requests' tokens (prompt then output), one document
+per sequence, indexed so that every earlier place whose tokens end the way a context ends is found
+in a few dictionary reads. What a suffix tree of depth `max_depth` over the documents answers, at
+a fixed cost per token indexed.
+
+The index keys are the n-grams of lengths `NGRAM_LENGTHS` that are followed by a token:
+
+    documents[d].tokens:   ... t[c-L] ... t[c-1] | t[c] ...
+                               └─ n-gram of L ──┘   the continuation at c
+    index[salt][L][hash(t[c-L:c])] -> [(d << 32) | c, ...]   in the order they were indexed
+                                       (one entry: the int itself, ~80 bytes less per n-gram)
+
+A context's longest match is looked up with its last 16, 8, 4, then 2 tokens, the first key found
+giving the candidates, each extended backwards token by token up to `max_depth`; the candidates
+with the longest match are the places to draft from (`match`). Keys are hashes of the n-grams
+(a collision is caught by comparing the tokens).
+
+Bounded: at most `max_tokens` tokens indexed in all and `max_requests` finished documents; a
+finished document is evicted whole, least recently used first (used: added, seen again, or drafted
+from). A running sequence's document (`live`) grows as the sequence does and is never evicted;
+where even evicting every finished one leaves no room, it stops growing. A finished document whose
+tokens equal another's under the same salt is merged into it (the other's `weight` counts both):
+a recurring request costs no memory, and its continuation weighs more.
+
+One index per cache salt (the prefix cache's tenant key, inferd.server.privacy): a document is
+found only from contexts of its own salt, so no tenant drafts from another's text.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+NGRAM_LENGTHS = (2, 4, 8, 16)  # the shortest is the shortest match drafted from
+_POS_BITS = 32
+_POS_MASK = (1 << _POS_BITS) - 1
+# Candidates looked at per match, the most recently indexed first: a frequent short n-gram has
+# thousands, and the longer keys already narrow any long match down.
+MAX_CANDIDATES = 64
+
+
+@dataclass(eq=False, slots=True)
+class Document:
+    """One sequence's tokens, as far as they are indexed."""
+
+    doc_id: int
+    salt: str | None
+    tokens: list[int] = field(default_factory=list)
+    weight: int = 1  # finished requests whose tokens these were (merged)
+    live: bool = True  # a running sequence's: grows, never evicted
+
+
+Candidate = tuple[Document, int]  # a document and the position of the continuation in it
+
+
+class SuffixCache:
+    """Documents and their n-gram index, per salt, within a token and a request bound."""
+
+    def __init__(self, max_tokens: int, max_requests: int, max_depth: int) -> None:
+        self.max_tokens = max_tokens
+        self.max_requests = max_requests
+        self.max_depth = max_depth
+        self.num_tokens = 0  # tokens indexed, every document's
+        self._docs: dict[int, Document] = {}
+        self._finished: OrderedDict[int, Document] = OrderedDict()  # least recently used first
+        self._by_content: dict[tuple[str | None, int], list[Document]] = {}  # finished ones
+        # salt -> one dict per n-gram length: key hash -> entries (doc_id << 32 | position), a
+        # list, or the entry alone
+        self._index: dict[str | None, list[dict[int, int | list[int]]]] = {}
+        self._docs_per_salt: dict[str | None, int] = {}
+        self._next_id = 0
+
+    # ---- documents -------------------------------------------------------------------------
+    def open(self, salt: str | None) -> Document:
+        """A new, empty live document under `salt`."""
+        doc = Document(self._next_id, salt)
+        self._next_id += 1
+        self._docs[doc.doc_id] = doc
+        self._docs_per_salt[salt] = self._docs_per_salt.get(salt, 0) + 1
+        if salt not in self._index:
+            self._index[salt] = [{} for _ in NGRAM_LENGTHS]
+        return doc
+
+    def extend(self, doc: Document, token_ids: list[int]) -> None:
+        """Index `token_ids[len(doc.tokens):]` (a live document grows with its sequence, whose
+        tokens only ever grow), as far as the token bound leaves room."""
+        start = len(doc.tokens)
+        want = len(token_ids) - start
+        if want <= 0 or not doc.live:
+            return
+        while self.num_tokens + want > self.max_tokens and self._finished:
+            self._evict(next(iter(self._finished.values())))
+        take = min(want, self.max_tokens - self.num_tokens)
+        if take <= 0:
+            return
+        tokens = doc.tokens
+        tokens.extend(token_ids[start : start + take])
+        self.num_tokens += take
+        index = self._index[doc.salt]
+        base = doc.doc_id << _POS_BITS
+        # Every n-gram that the new tokens give a continuation: the one ending just before c.
+        for c in range(max(start, 1), len(tokens)):
+            for length, keys in zip(NGRAM_LENGTHS, index):
+                if c < length:
+                    break
+                h = hash(tuple(tokens[c - length : c]))
+                entries = keys.get(h)
+                if entries is None:
+                    keys[h] = base | c
+                elif type(entries) is int:
+                    keys[h] = [entries, base | c]
+                else:
+                    entries.append(base | c)
+
+    def close(self, doc: Document) -> None:
+        """The sequence left: its document is kept as a finished one (merged into an equal one
+        under the same salt), within the bounds."""
+        if not doc.live:
+            return
+        doc.live = False
+        if not doc.tokens:
+            self._unindex(doc)
+            return
+        key = (doc.salt, hash(tuple(doc.tokens)))
+        same = self._by_content.setdefault(key, [])
+        for other in same:
+            if other.tokens == doc.tokens:
+                other.weight += doc.weight
+                self.touch(other)
+                self._unindex(doc)
+                return
+        same.append(doc)
+        self._finished[doc.doc_id] = doc
+        while len(self._finished) > self.max_requests:
+            self._evict(next(iter(self._finished.values())))
+
+    def touch(self, doc: Document) -> None:
+        """`doc` was used: the last finished document to be evicted."""
+        if not doc.live:
+            self._finished.move_to_end(doc.doc_id)
+
+    def clear(self) -> None:
+        """Forget every finished document (live ones stay)."""
+        for doc in list(self._finished.values()):
+            self._evict(doc)
+
+    def _evict(self, doc: Document) -> None:
+        del self._finished[doc.doc_id]
+        key = (doc.salt, hash(tuple(doc.tokens)))
+        same = self._by_content[key]
+        same.remove(doc)
+        if not same:
+            del self._by_content[key]
+        self._unindex(doc)
+
+    def _unindex(self, doc: Document) -> None:
+        """Drop the document and its index entries."""
+        del self._docs[doc.doc_id]
+        index = self._index[doc.salt]
+        tokens, doc_id = doc.tokens, doc.doc_id
+        for length, keys in zip(NGRAM_LENGTHS, index):
+            for h in {hash(tuple(tokens[c - length : c])) for c in range(length, len(tokens))}:
+                kept = [e for e in _entries(keys[h]) if e >> _POS_BITS != doc_id]
+                if len(kept) > 1:
+                    keys[h] = kept
+                elif kept:
+                    keys[h] = kept[0]
+                else:
+                    del keys[h]
+        self.num_tokens -= len(tokens)
+        self._docs_per_salt[doc.salt] -= 1
+        if not self._docs_per_salt[doc.salt]:
+            del self._docs_per_salt[doc.salt], self._index[doc.salt]
+
+    # ---- matching --------------------------------------------------------------------------
+    def match(self, salt: str | None, context: list[int]) -> tuple[int, list[Candidate]]:
+        """The longest match (p tokens, at most `max_depth`) of `context`'s end among the
+        documents under `salt`, and every place it was found, the most recently indexed first;
+        (0, []) when not even its last 2 tokens were seen followed by a token."""
+        index = self._index.get(salt)
+        n = len(context)
+        if index is None:
+            return 0, []
+        docs, max_depth = self._docs, self.max_depth
+        for length, keys in zip(reversed(NGRAM_LENGTHS), reversed(index)):
+            if length > n or length > max_depth:
+                continue
+            entries = keys.get(hash(tuple(context[n - length :])))
+            if entries is None:
+                continue
+            tail = context[n - length :]
+            best, found = 0, []
+            for e in reversed(_entries(entries)[-MAX_CANDIDATES:]):
+                doc, c = docs[e >> _POS_BITS], e & _POS_MASK
+                tokens = doc.tokens
+                if tokens[c - length : c] != tail:
+                    continue  # another n-gram with the same hash
+                m, top = length, min(max_depth, c, n)
+                while m < top and tokens[c - 1 - m] == context[n - 1 - m]:
+                    m += 1
+                if m > best:
+                    best, found = m, [(doc, c)]
+                elif m == best:
+                    found.append((doc, c))
+            if found:
+                return best, found
+        return 0, []
+
+    # ---- checks ----------------------------------------------------------------------------
+    @property
+    def num_finished(self) -> int:
+        return len(self._finished)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._docs) - len(self._finished)
+
+    def salts(self) -> set[str | None]:
+        return set(self._index)
+
+    def check_integrity(self) -> None:
+        """Within the bounds, and the index holds exactly every document's n-grams."""
+        assert self.num_tokens == sum(len(d.tokens) for d in self._docs.values()), "token count"
+        assert self.num_tokens <= self.max_tokens, (self.num_tokens, self.max_tokens)
+        assert len(self._finished) <= self.max_requests, (len(self._finished), self.max_requests)
+        assert all(not d.live for d in self._finished.values()), "a live document in the LRU"
+        assert sum(len(s) for s in self._by_content.values()) == len(self._finished), "merge map"
+        for salt, index in self._index.items():
+            docs = [d for d in self._docs.values() if d.salt == salt]
+            assert docs, f"an index for a salt without documents: {salt!r}"
+            for length, keys in zip(NGRAM_LENGTHS, index):
+                want = sorted(
+                    (d.doc_id << _POS_BITS) | c for d in docs for c in range(length, len(d.tokens))
+                )
+                got = sorted(e for entries in keys.values() for e in _entries(entries))
+                assert got == want, length
+                for h, entries in keys.items():
+                    assert type(entries) is int or len(entries) > 1, "a one-entry list"
+                    for e in _entries(entries):
+                        doc, c = self._docs[e >> _POS_BITS], e & _POS_MASK
+                        assert hash(tuple(doc.tokens[c - length : c])) == h
+
+
+def _entries(value: int | list[int]) -> list[int]:
+    return [value] if type(value) is int else value
