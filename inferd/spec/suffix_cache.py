@@ -20,7 +20,11 @@ finished document is evicted whole, least recently used first (used: added, seen
 from). A running sequence's document (`live`) grows as the sequence does and is never evicted;
 where even evicting every finished one leaves no room, it stops growing. A finished document whose
 tokens equal another's under the same salt is merged into it (the other's `weight` counts both):
-a recurring request costs no memory, and its continuation weighs more.
+a recurring request costs no memory, and its continuation weighs more. A dropped document's index
+entries are skipped at once and removed in bulk (a salt's index is compacted when they outnumber
+its documents' own), so the index holds at most about twice the entries of the tokens held: with
+the default 131,072 tokens, ~70 MB of Python objects at most (~510 bytes a token when no n-gram
+repeats; real text repeats many).
 
 One index per cache salt (the prefix cache's tenant key, inferd.server.privacy): a document is
 found only from contexts of its own salt, so no tenant drafts from another's text.
@@ -37,6 +41,7 @@ _POS_MASK = (1 << _POS_BITS) - 1
 # Candidates looked at per match, the most recently indexed first: a frequent short n-gram has
 # thousands, and the longer keys already narrow any long match down.
 MAX_CANDIDATES = 64
+_MIN_STALE = 1 << 14  # dropped entries a salt's index keeps before compacting it
 
 
 @dataclass(eq=False, slots=True)
@@ -68,6 +73,9 @@ class SuffixCache:
         # list, or the entry alone
         self._index: dict[str | None, list[dict[int, int | list[int]]]] = {}
         self._docs_per_salt: dict[str | None, int] = {}
+        # Index entries by salt: of the documents held, and left behind by dropped ones.
+        self._live_entries: dict[str | None, int] = {}
+        self._stale_entries: dict[str | None, int] = {}
         self._next_id = 0
 
     # ---- documents -------------------------------------------------------------------------
@@ -79,6 +87,7 @@ class SuffixCache:
         self._docs_per_salt[salt] = self._docs_per_salt.get(salt, 0) + 1
         if salt not in self._index:
             self._index[salt] = [{} for _ in NGRAM_LENGTHS]
+            self._live_entries[salt] = self._stale_entries[salt] = 0
         return doc
 
     def extend(self, doc: Document, token_ids: list[int]) -> None:
@@ -96,6 +105,7 @@ class SuffixCache:
         tokens = doc.tokens
         tokens.extend(token_ids[start : start + take])
         self.num_tokens += take
+        self._live_entries[doc.salt] += _num_entries(len(tokens)) - _num_entries(start)
         index = self._index[doc.salt]
         base = doc.doc_id << _POS_BITS
         # Every n-gram that the new tokens give a continuation: the one ending just before c.
@@ -154,23 +164,36 @@ class SuffixCache:
         self._unindex(doc)
 
     def _unindex(self, doc: Document) -> None:
-        """Drop the document and its index entries."""
+        """Drop the document. Its index entries go lazily (`match` skips a dropped document's):
+        filtering every list it is in at once would cost, per eviction, the length of the
+        lists of every n-gram it shares with other documents (a common system prompt: all of
+        them). A salt's index is compacted once its dropped entries outnumber the kept ones."""
         del self._docs[doc.doc_id]
-        index = self._index[doc.salt]
-        tokens, doc_id = doc.tokens, doc.doc_id
-        for length, keys in zip(NGRAM_LENGTHS, index):
-            for h in {hash(tuple(tokens[c - length : c])) for c in range(length, len(tokens))}:
-                kept = [e for e in _entries(keys[h]) if e >> _POS_BITS != doc_id]
+        self.num_tokens -= len(doc.tokens)
+        salt = doc.salt
+        self._docs_per_salt[salt] -= 1
+        self._live_entries[salt] -= _num_entries(len(doc.tokens))
+        if not self._docs_per_salt[salt]:
+            del self._docs_per_salt[salt], self._index[salt], self._live_entries[salt]
+            del self._stale_entries[salt]
+            return
+        self._stale_entries[salt] += _num_entries(len(doc.tokens))
+        if self._stale_entries[salt] > max(self._live_entries[salt], _MIN_STALE):
+            self._compact(salt)
+
+    def _compact(self, salt: str | None) -> None:
+        """Drop the entries of documents no longer held from the salt's index."""
+        docs = self._docs
+        for keys in self._index[salt]:
+            for h, entries in list(keys.items()):
+                kept = [e for e in _entries(entries) if e >> _POS_BITS in docs]
                 if len(kept) > 1:
                     keys[h] = kept
                 elif kept:
                     keys[h] = kept[0]
                 else:
                     del keys[h]
-        self.num_tokens -= len(tokens)
-        self._docs_per_salt[doc.salt] -= 1
-        if not self._docs_per_salt[doc.salt]:
-            del self._docs_per_salt[doc.salt], self._index[doc.salt]
+        self._stale_entries[salt] = 0
 
     # ---- matching --------------------------------------------------------------------------
     def match(self, salt: str | None, context: list[int]) -> tuple[int, list[Candidate]]:
@@ -191,7 +214,9 @@ class SuffixCache:
             tail = context[n - length :]
             best, found = 0, []
             for e in reversed(_entries(entries)[-MAX_CANDIDATES:]):
-                doc, c = docs[e >> _POS_BITS], e & _POS_MASK
+                doc, c = docs.get(e >> _POS_BITS), e & _POS_MASK
+                if doc is None:
+                    continue  # dropped (evicted or merged), its entries not yet compacted
                 tokens = doc.tokens
                 if tokens[c - length : c] != tail:
                     continue  # another n-gram with the same hash
@@ -225,21 +250,33 @@ class SuffixCache:
         assert len(self._finished) <= self.max_requests, (len(self._finished), self.max_requests)
         assert all(not d.live for d in self._finished.values()), "a live document in the LRU"
         assert sum(len(s) for s in self._by_content.values()) == len(self._finished), "merge map"
+        assert set(self._index) == {d.salt for d in self._docs.values()}, "an index without documents"
         for salt, index in self._index.items():
             docs = [d for d in self._docs.values() if d.salt == salt]
-            assert docs, f"an index for a salt without documents: {salt!r}"
+            assert self._live_entries[salt] == sum(_num_entries(len(d.tokens)) for d in docs)
+            stale = 0
             for length, keys in zip(NGRAM_LENGTHS, index):
+                got = [e for entries in keys.values() for e in _entries(entries)]
+                held = sorted(e for e in got if e >> _POS_BITS in self._docs)
                 want = sorted(
                     (d.doc_id << _POS_BITS) | c for d in docs for c in range(length, len(d.tokens))
                 )
-                got = sorted(e for entries in keys.values() for e in _entries(entries))
-                assert got == want, length
+                assert held == want, length
+                stale += len(got) - len(held)
                 for h, entries in keys.items():
                     assert type(entries) is int or len(entries) > 1, "a one-entry list"
                     for e in _entries(entries):
-                        doc, c = self._docs[e >> _POS_BITS], e & _POS_MASK
-                        assert hash(tuple(doc.tokens[c - length : c])) == h
-
+                        doc, c = self._docs.get(e >> _POS_BITS), e & _POS_MASK
+                        assert doc is None or hash(tuple(doc.tokens[c - length : c])) == h
+            assert stale == self._stale_entries[salt], (stale, self._stale_entries[salt])
+            # The dropped documents' entries never outnumber the held ones' for long.
+            assert stale <= max(self._live_entries[salt], _MIN_STALE), (stale, self._live_entries[salt])
 
 def _entries(value: int | list[int]) -> list[int]:
     return [value] if type(value) is int else value
+
+
+def _num_entries(num_tokens: int) -> int:
+    """Index entries of a document of `num_tokens` tokens (one per n-gram length and position
+    that has at least that many tokens before it)."""
+    return sum(max(0, num_tokens - length) for length in NGRAM_LENGTHS)
