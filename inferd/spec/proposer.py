@@ -55,6 +55,7 @@ class Proposer(ABC):
     method: str = ""
     needs_hidden: bool = False
     ranks_drafts: bool = False
+    shares_across_requests: bool = False  # drafts from what earlier requests wrote (`forget`)
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
@@ -71,6 +72,9 @@ class Proposer(ABC):
 
     def check_no_leaks(self) -> None:
         """With no request in flight, nothing per-sequence is held."""
+
+    def forget(self) -> None:
+        """Drop what was learned from requests that finished (a benchmark's runs start afresh)."""
 
 
 def build_proposer(ctx: ProposerContext) -> Proposer:

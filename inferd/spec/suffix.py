@@ -54,6 +54,7 @@ def draft_from(found: list[Candidate], k: int, min_prob: float) -> list[int]:
 
 class SuffixProposer(Proposer):
     method = "suffix"
+    shares_across_requests = True
 
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.cache = SuffixCache(spec.suffix_decoding_max_cached_tokens,
@@ -92,6 +93,9 @@ class SuffixProposer(Proposer):
         doc = self._document(seq)
         del self.docs[seq.seq_id]
         self.cache.close(doc)
+
+    def forget(self) -> None:
+        self.cache.clear()
 
     def check_no_leaks(self) -> None:
         assert not self.docs, f"suffix documents of finished sequences: {sorted(self.docs)}"
