@@ -26,7 +26,7 @@ import json
 import statistics
 import time
 
-from inferd.bench.common import cpu_kernels_report
+from inferd.bench.common import add_threads_arg, cpu_kernels_report, set_threads
 from inferd.chat_prompts import CHAT_TASKS
 from inferd.engine_args import parse_bytes
 
@@ -132,6 +132,7 @@ def run_spec(args: argparse.Namespace) -> dict:
     from inferd import LLM
     from inferd.loader import load_model
 
+    set_threads(args.threads)
     loaded = load_model(args.model, verbose=False, quantization=args.quantization)
     tok = loaded.tokenizer
     tasks = {name: [_chat_ids(tok, t) for t in TASKS[name]] for name in args.tasks}
@@ -247,6 +248,7 @@ def add_spec_parser(sub) -> None:
                    help="suffix decoding's depths (k) to compare")
     p.add_argument("--no-ngram", action="store_true",
                    help="leave prompt lookup out (e.g. a chat-only run of the models' proposers)")
+    add_threads_arg(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=0, help="also compare throughput at this batch size")
