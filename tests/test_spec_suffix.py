@@ -15,6 +15,7 @@ from test_speculative import _llm, _token_histograms, fixed_speculation_costs  #
 from inferd import SamplingParams
 from inferd.config import SpeculativeConfig
 from inferd.spec.suffix import SuffixProposer, draft_from
+from inferd.spec import suffix_cache
 from inferd.spec.suffix_cache import SuffixCache
 from inferd.structured import StructuredOutputsParams
 
@@ -76,9 +77,11 @@ def _brute_match(docs: list[list[int]], context: list[int], max_depth: int) -> t
 
 
 @pytest.mark.parametrize("vocab", [3, 8, 50])
-def test_index_finds_what_scanning_finds(vocab):
+def test_index_finds_what_scanning_finds(vocab, monkeypatch):
     """Every longest match and its places, against a scan of every document, as documents grow,
-    finish, merge and are evicted (small vocabularies: many matches and many misses)."""
+    finish, merge and are evicted (small vocabularies: many matches and many misses), with sweeps
+    of dropped documents' entries running all along."""
+    monkeypatch.setattr(suffix_cache, "_MIN_STALE", 0)
     rng = random.Random(vocab)
     cache = SuffixCache(max_tokens=900, max_requests=6, max_depth=12)
     live: list = []
@@ -99,13 +102,16 @@ def test_index_finds_what_scanning_finds(vocab):
         assert matched == want_matched
         if len(want) <= 64:  # the most recent 64 places are looked at
             assert {(held.index(d), c) for d, c in found} == want, (step, context)
-    cache.check_integrity()
+        cache.check_integrity()
 
 
-def test_index_stays_within_its_bounds():
-    """Tokens and finished requests within their bounds whatever the traffic; least recently used
-    documents go first, a recurring one is merged (no memory), and a live document stops growing
-    when only live documents are left to hold."""
+@pytest.mark.parametrize("min_stale", [0, 1 << 14])
+def test_index_stays_within_its_bounds(min_stale, monkeypatch):
+    """Tokens and finished requests within their bounds whatever the traffic, and dropped
+    documents' entries swept out; least recently used documents go first, a recurring one is
+    merged (no memory), and a live document stops growing when only live documents are left to
+    hold."""
+    monkeypatch.setattr(suffix_cache, "_MIN_STALE", min_stale)
     rng = random.Random(0)
     cache = SuffixCache(max_tokens=2000, max_requests=8, max_depth=24)
     kept = cache.open(None)

@@ -21,10 +21,10 @@ from). A running sequence's document (`live`) grows as the sequence does and is 
 where even evicting every finished one leaves no room, it stops growing. A finished document whose
 tokens equal another's under the same salt is merged into it (the other's `weight` counts both):
 a recurring request costs no memory, and its continuation weighs more. A dropped document's index
-entries are skipped at once and removed in bulk (a salt's index is compacted when they outnumber
-its documents' own), so the index holds at most about twice the entries of the tokens held: with
-the default 131,072 tokens, ~70 MB of Python objects at most (~510 bytes a token when no n-gram
-repeats; real text repeats many).
+entries are skipped at once and swept out a few keys at a time as tokens come and go, so the
+index holds at most about twice the entries the token bound allows (and no step pauses for a pass
+over all of it): with the default 131,072 tokens, ~70 MB of Python objects at most (~510 bytes a
+token when no n-gram repeats; real text repeats many).
 
 One index per cache salt (the prefix cache's tenant key, inferd.server.privacy): a document is
 found only from contexts of its own salt, so no tenant drafts from another's text.
@@ -41,7 +41,11 @@ _POS_MASK = (1 << _POS_BITS) - 1
 # Candidates looked at per match, the most recently indexed first: a frequent short n-gram has
 # thousands, and the longer keys already narrow any long match down.
 MAX_CANDIDATES = 64
-_MIN_STALE = 1 << 14  # dropped entries a salt's index keeps before compacting it
+_MIN_STALE = 1 << 14  # dropped entries a salt's index keeps before sweeping them out
+# Index entries a sweep looks at per token indexed or dropped (a key's list is looked at whole):
+# it ends before the drops it races with have added a quarter of the entries it started with
+# (each token dropped leaves 4 at most).
+_SWEEP_PER_TOKEN = 16
 
 
 @dataclass(eq=False, slots=True)
@@ -76,6 +80,9 @@ class SuffixCache:
         # Index entries by salt: of the documents held, and left behind by dropped ones.
         self._live_entries: dict[str | None, int] = {}
         self._stale_entries: dict[str | None, int] = {}
+        # salt -> a sweep's n-gram length dicts still to look at, each with the key hashes left
+        # (listed when its turn comes: listing every dict at once is a pause of its own)
+        self._sweeps: dict[str | None, list[tuple[dict[int, int | list[int]], list[int] | None]]] = {}
         self._next_id = 0
 
     # ---- documents -------------------------------------------------------------------------
@@ -106,6 +113,7 @@ class SuffixCache:
         tokens.extend(token_ids[start : start + take])
         self.num_tokens += take
         self._live_entries[doc.salt] += _num_entries(len(tokens)) - _num_entries(start)
+        self._sweep(doc.salt, take)
         index = self._index[doc.salt]
         base = doc.doc_id << _POS_BITS
         # Every n-gram that the new tokens give a continuation: the one ending just before c.
@@ -153,6 +161,8 @@ class SuffixCache:
         """Forget every finished document (live ones stay)."""
         for doc in list(self._finished.values()):
             self._evict(doc)
+        for salt in list(self._sweeps):
+            self._sweep(salt, None)
 
     def _evict(self, doc: Document) -> None:
         del self._finished[doc.doc_id]
@@ -167,7 +177,9 @@ class SuffixCache:
         """Drop the document. Its index entries go lazily (`match` skips a dropped document's):
         filtering every list it is in at once would cost, per eviction, the length of the
         lists of every n-gram it shares with other documents (a common system prompt: all of
-        them). A salt's index is compacted once its dropped entries outnumber the kept ones."""
+        them), and a pass over the whole index at once half a second at the default bound. Once
+        a salt's dropped entries outnumber half its documents' own, a sweep starts over its keys,
+        a few per token indexed or dropped (`_sweep`)."""
         del self._docs[doc.doc_id]
         self.num_tokens -= len(doc.tokens)
         salt = doc.salt
@@ -176,24 +188,51 @@ class SuffixCache:
         if not self._docs_per_salt[salt]:
             del self._docs_per_salt[salt], self._index[salt], self._live_entries[salt]
             del self._stale_entries[salt]
+            self._sweeps.pop(salt, None)
             return
         self._stale_entries[salt] += _num_entries(len(doc.tokens))
-        if self._stale_entries[salt] > max(self._live_entries[salt], _MIN_STALE):
-            self._compact(salt)
+        if salt not in self._sweeps and self._stale_entries[salt] > max(self._live_entries[salt], _MIN_STALE) / 2:
+            self._sweeps[salt] = [(keys, None) for keys in self._index[salt]]
+        self._sweep(salt, len(doc.tokens))
 
-    def _compact(self, salt: str | None) -> None:
-        """Drop the entries of documents no longer held from the salt's index."""
-        docs = self._docs
-        for keys in self._index[salt]:
-            for h, entries in list(keys.items()):
-                kept = [e for e in _entries(entries) if e >> _POS_BITS in docs]
+    def _sweep(self, salt: str | None, tokens: int | None) -> None:
+        """Remove dropped documents' entries from the keys of the salt's sweep, if one runs:
+        about `_SWEEP_PER_TOKEN` entries per token (None: to its end)."""
+        pending = self._sweeps.get(salt)
+        if pending is None:
+            return
+        budget = None if tokens is None else _SWEEP_PER_TOKEN * max(1, tokens)
+        docs, removed = self._docs, 0
+        while pending and (budget is None or budget > 0):
+            keys, hashes = pending[-1]
+            if hashes is None:
+                hashes = list(keys)
+                pending[-1] = (keys, hashes)
+            while hashes and (budget is None or budget > 0):
+                h = hashes.pop()
+                entries = keys.get(h)
+                if entries is None:
+                    continue
+                if budget is not None:
+                    budget -= 1 if type(entries) is int else len(entries)
+                if type(entries) is int:
+                    if entries >> _POS_BITS not in docs:
+                        del keys[h]
+                        removed += 1
+                    continue
+                kept = [e for e in entries if e >> _POS_BITS in docs]
+                removed += len(entries) - len(kept)
                 if len(kept) > 1:
                     keys[h] = kept
                 elif kept:
                     keys[h] = kept[0]
                 else:
                     del keys[h]
-        self._stale_entries[salt] = 0
+            if not hashes:
+                pending.pop()
+        self._stale_entries[salt] -= removed
+        if not pending:
+            del self._sweeps[salt]
 
     # ---- matching --------------------------------------------------------------------------
     def match(self, salt: str | None, context: list[int]) -> tuple[int, list[Candidate]]:
@@ -251,6 +290,7 @@ class SuffixCache:
         assert all(not d.live for d in self._finished.values()), "a live document in the LRU"
         assert sum(len(s) for s in self._by_content.values()) == len(self._finished), "merge map"
         assert set(self._index) == {d.salt for d in self._docs.values()}, "an index without documents"
+        stale_total = 0
         for salt, index in self._index.items():
             docs = [d for d in self._docs.values() if d.salt == salt]
             assert self._live_entries[salt] == sum(_num_entries(len(d.tokens)) for d in docs)
@@ -269,8 +309,11 @@ class SuffixCache:
                         doc, c = self._docs.get(e >> _POS_BITS), e & _POS_MASK
                         assert doc is None or hash(tuple(doc.tokens[c - length : c])) == h
             assert stale == self._stale_entries[salt], (stale, self._stale_entries[salt])
-            # The dropped documents' entries never outnumber the held ones' for long.
-            assert stale <= max(self._live_entries[salt], _MIN_STALE), (stale, self._live_entries[salt])
+            stale_total += stale
+        # Sweeps keep the dropped documents' entries to about what the token bound's own are.
+        bound = len(NGRAM_LENGTHS) * self.max_tokens + _MIN_STALE
+        assert stale_total <= bound, (stale_total, bound)
+
 
 def _entries(value: int | list[int]) -> list[int]:
     return [value] if type(value) is int else value
