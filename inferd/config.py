@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -272,15 +273,19 @@ class SchedulerConfig:
             raise ValueError(f"--ttft-slo-ms must be > 0, got {self.ttft_slo_ms}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle")
+# k when `num_speculative_tokens` is not given: suffix decoding drafts as far as its match is sure
+# (its own length rule), the others a short chain.
+_DEFAULT_DEPTH = {"suffix": 16}
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON shape): who proposes draft tokens and how many."""
 
-    method: str  # ngram (prompt lookup) | draft_model | eagle (a learned draft head)
-    num_speculative_tokens: int = 3  # the most draft tokens per sequence per step (k)
+    method: str  # ngram (prompt lookup) | suffix (shared suffix index) | draft_model | eagle
+    # The most draft tokens per sequence per step (k). None: 16 for suffix, else 3.
+    num_speculative_tokens: int | None = None
     model: str | None = None  # draft_model: GGUF / HF dir; eagle: the head's directory
     # ngram: the longest and shortest suffix matched against the context. A 1-token match (a
     # "the", a newline) predicts its continuation poorly: its rejected drafts cost verification
@@ -302,6 +307,14 @@ class SpeculativeConfig:
     # the k nodes of the chain and the head's runner-up at each depth that the head finds likeliest
     # (EAGLE-2's dynamic tree; inferd.spec.draft_tree). False: always the chain.
     dynamic_tree: bool = True
+    # suffix only (vLLM's names; inferd.spec.suffix): the longest match of a context's suffix
+    # that is looked for, the most drafts per matched token, the least estimated probability of a
+    # whole draft, and the shared index's bound (finished requests, and tokens in all).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 1 << 17
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -309,13 +322,16 @@ class SpeculativeConfig:
 
         if self.method not in SPECULATIVE_METHODS:
             bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", _DEFAULT_DEPTH.get(self.method, 3))
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         if self.method in ("draft_model", "eagle") and not self.model:
             bad(f'method "{self.method}" needs "model" (a path)')
-        if self.method == "ngram" and self.model is not None:
-            bad('method "ngram" takes no "model"')
+        if self.method in ("ngram", "suffix") and self.model is not None:
+            bad(f'method "{self.method}" takes no "model"')
+        self._check_suffix(bad)
         if self.prompt_lookup_min is None and isinstance(self.prompt_lookup_max, int):
             object.__setattr__(self, "prompt_lookup_min", max(1, min(2, self.prompt_lookup_max)))
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -333,6 +349,26 @@ class SpeculativeConfig:
             bad(f"dynamic_tree must be true or false, got {self.dynamic_tree!r}")
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
             bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
+
+    def _check_suffix(self, bad: Callable[[str], None]) -> None:
+        given = [f.name for f in dataclasses.fields(self) if f.name.startswith("suffix_decoding_")
+                 and getattr(self, f.name) != f.default]  # fmt: skip
+        if given and self.method != "suffix":
+            bad(f'{", ".join(given)}: only for method "suffix", not {self.method!r}')
+
+        def integer(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+        integer("suffix_decoding_max_tree_depth", 2, 256)
+        integer("suffix_decoding_max_cached_requests", 0, 1 << 30)
+        integer("suffix_decoding_max_cached_tokens", 0, 1 << 30)
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 64:
+            bad(f"suffix_decoding_max_spec_factor must be a number in (0, 64], got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            bad(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -353,7 +389,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
         if "method" not in value:
-            raise ValueError('--speculative-config needs "method" (ngram, draft_model or eagle)')
+            raise ValueError(f'--speculative-config needs "method" ({", ".join(SPECULATIVE_METHODS)})')
         return cls(**value)
 
 

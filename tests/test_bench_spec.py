@@ -59,3 +59,16 @@ def test_bench_spec_no_ngram_leaves_prompt_lookup_out(long_context_tiny, capsys)
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["config"] for r in report["rows"]] == ["off", "draft k=2", "draft k=3"]
+
+
+def test_bench_spec_repeat_task_drafts_earlier_answers(long_context_tiny, capsys) -> None:
+    """On the repeat task suffix decoding drafts each answer from its untimed earlier run (left
+    out of the counts): every draft right, chains far longer than a first run's."""
+    model = str(long_context_tiny.path)
+    argv = ["bench", "spec", "--model", model, "--max-tokens", "16", "--runs", "1", "--tasks", "repeat",
+            "--no-ngram", "--suffix", "--suffix-k", "8", "--kv-cache-memory", str(4 << 20)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["config"] for r in report["rows"]] == ["off", "suffix k=8"]
+    suffix = report["rows"][1]
+    assert suffix["acceptance_rate"] == 1.0 and suffix["mean_acceptance_length"] > 3, suffix

@@ -61,6 +61,7 @@ class Proposer(ABC):
     method: str = ""
     needs_hidden: bool = False
     ranks_drafts: bool = False
+    shares_across_requests: bool = False  # drafts from what earlier requests wrote (`forget`)
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
@@ -78,6 +79,9 @@ class Proposer(ABC):
     def check_no_leaks(self) -> None:
         """With no request in flight, nothing per-sequence is held."""
 
+    def forget(self) -> None:
+        """Drop what was learned from requests that finished (a benchmark's runs start afresh)."""
+
 
 def build_proposer(ctx: ProposerContext) -> Proposer:
     """The proposer `ctx.spec.method` names."""
@@ -86,6 +90,10 @@ def build_proposer(ctx: ProposerContext) -> Proposer:
         from inferd.spec.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from inferd.spec.suffix import SuffixProposer
+
+        return SuffixProposer(spec)
     if spec.method == "draft_model":
         from inferd.spec.draft_model import DraftModelProposer
 
