@@ -18,14 +18,17 @@ from inferd.config import (
     KV_CACHE_DTYPES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     field_default,
 )
 
-_NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
+                            "parallel": ParallelConfig}  # fmt: skip
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
 
 
@@ -153,6 +156,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--speculative-config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), draft_model ("model": '
         'path), eagle ("model": a trained head\'s directory)')
+    add("--tensor-parallel-size", "ranks that each hold a slice of every layer (heads, MLP rows, "
+        "vocabulary), in worker processes on this host; on a CPU each rank takes cores / N "
+        "threads" + shown, "-tp", type=int)
+    add("--distributed-executor-backend", "how tensor-parallel workers start: mp = spawned "
+        "processes" + shown, choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
         type=float)
 

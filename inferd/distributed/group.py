@@ -76,10 +76,10 @@ class TPGroup:
             size = torch.tensor([data.numel()], dtype=torch.long)
         else:
             size = torch.empty(1, dtype=torch.long)
-        self.cpu_pg.broadcast([size], 0).wait()
+        self.cpu_pg.broadcast(size, 0).wait()
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self.cpu_pg.broadcast([data], 0).wait()
+        self.cpu_pg.broadcast(data, 0).wait()
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def close(self) -> None:

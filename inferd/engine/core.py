@@ -15,11 +15,14 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 
 import psutil
 import torch
 
 from inferd.config import EngineConfig, resolve_device, resolve_dtype
+from inferd.distributed.executor import TensorParallelExecutor, check_placement
+from inferd.distributed.shard import check_tensor_parallel, shard_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.model_runner import ModelRunner, StepBatch
 from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
@@ -101,7 +104,15 @@ class EngineCore:
         kv_cache_dtype = config.cache.kv_cache_dtype
         # KV cache groups: a block holds one group's layers (inferd/kv/kv_groups.py).
         layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
-        bytes_per_block = (kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * layout.group_size
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:  # before anything is built: heads or vocabulary that do not split
+            check_tensor_parallel(mcfg, tp)
+            check_placement(tp, self.device)
+            if config.speculative is not None and config.speculative.method == "eagle":
+                raise ValueError("--tensor-parallel-size > 1 with an EAGLE head is not supported "
+                                 "(the head reads the target's whole LM head)")  # fmt: skip
+        # Per rank: each tensor-parallel rank's pool holds its KV heads of every block.
+        bytes_per_block = (kv_bytes_per_token(shard_config(mcfg, tp), self.dtype, kv_cache_dtype) * layout.group_size
                            // mcfg.num_layers * block_size)  # fmt: skip
         num_blocks = _kv_num_blocks(config, bytes_per_block, self.device)
         # The longest sequence the pool holds (windowed groups hold their window and a step's
@@ -118,17 +129,29 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout)
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
                                    clock=lambda: self.clock())  # fmt: skip
+        self.tp_executor: TensorParallelExecutor | None = None
         try:
-            model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
-                                dtype=self.dtype, device=self.device,
-                                quantization=config.quantization,
-                                quantization_group_size=config.quantization_group_size)  # fmt: skip
+            if tp > 1:
+                self.tp_executor = TensorParallelExecutor(
+                    config, mcfg, loaded.weights, num_blocks, block_size, layout,
+                    self.max_model_len, self.dtype, self.device)  # fmt: skip
+                # Workers outlive nothing: an engine dropped without close() stops them too.
+                self._finalizer = weakref.finalize(self, self.tp_executor.close)
+            else:
+                model = build_model(mcfg, loaded.weights, max_positions=self.max_model_len,
+                                    dtype=self.dtype, device=self.device,
+                                    quantization=config.quantization,
+                                    quantization_group_size=config.quantization_group_size)  # fmt: skip
         except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
             raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
-        self.runner = ModelRunner(model, mcfg, num_blocks, block_size, self.dtype, self.device,
-                                  kv_cache_dtype=kv_cache_dtype,
-                                  kv_cache_prefault=config.cache.kv_cache_prefault,
-                                  layout=layout)  # fmt: skip
+        if self.tp_executor is not None:
+            self.runner = self.tp_executor.runner
+            model = self.runner.model
+        else:
+            self.runner = ModelRunner(model, mcfg, num_blocks, block_size, self.dtype, self.device,
+                                      kv_cache_dtype=kv_cache_dtype,
+                                      kv_cache_prefault=config.cache.kv_cache_prefault,
+                                      layout=layout)  # fmt: skip
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
@@ -293,6 +316,11 @@ class EngineCore:
                 self.scheduler.finish(seq, "abort")
                 self.spec.release(seq)
         return True
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine runs no more steps)."""
+        if self.tp_executor is not None:
+            self._finalizer()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

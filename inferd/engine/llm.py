@@ -151,6 +151,16 @@ class LLM:
         """Flush the prefix cache; True when it is empty afterwards."""
         return self.engine.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done when it is collected)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_stats(self) -> EngineStats:
         """Running / waiting / preempted counts, KV usage, token totals and throughputs."""
         return self.engine.get_stats()
