@@ -145,6 +145,12 @@ class TensorParallelExecutor:
             threads, _free_port(), ShmAllReduce.create_name() if device.type == "cpu" else None,
             shm_bytes,
         )  # fmt: skip
+        cls = model_class(model_config.architecture)
+        shard = lambda r: shard_weights(weights, model_config, cls, r, tp,  # noqa: E731
+                                        config.quantization, config.quantization_group_size)
+        # Rank 0's first, before any process starts: a weight that cannot split fails here (every
+        # rank's cut falls on the boundaries rank 0's end does).
+        own = shard(0)
         ctx = tmp.get_context("spawn")
         self.workers, self.conns, queues = [], [], []
         for rank in range(1, tp):
@@ -161,14 +167,12 @@ class TensorParallelExecutor:
             self._wait_for("started")
             torch.set_num_threads(threads)
             self.group = spec.group(0)
-            cls = model_class(model_config.architecture)
-            shard = lambda r: shard_weights(weights, model_config, cls, r, tp,  # noqa: E731
-                                            config.quantization, config.quantization_group_size)
             sent = []
             for rank, q in enumerate(queues, start=1):
                 sent.append(shard(rank))  # kept alive until the worker has built from it
                 q.put(sent[-1])
-            model = build_rank_model(spec, shard(0), self.group)
+            model = build_rank_model(spec, own, self.group)
+            del own
             self._wait_for("ready")
             del sent
             self.runner = build_runner(spec, model, self.group)
