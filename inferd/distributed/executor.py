@@ -12,9 +12,13 @@ raises as its own. Shut-down: rank 0 broadcasts `None`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import socket
+import threading
+import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +30,7 @@ from inferd.distributed.parallel_layers import parallelize
 from inferd.distributed.shard import check_tensor_parallel, shard_config, shard_weights
 from inferd.distributed.shm_allreduce import ShmAllReduce
 from inferd.kv.kv_groups import KVLayout
+from inferd.quantization.formats import QuantizedWeight
 
 logger = logging.getLogger("inferd.distributed")
 
@@ -101,8 +106,21 @@ def build_runner(spec: RankSpec, model, group: TPGroup):
                        layout=spec.layout, tp=group if group.rank == 0 else None)  # fmt: skip
 
 
+def _exit_with_parent() -> None:
+    """A worker whose rank 0 died (killed, crashed) must not wait for it: exit with it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="inferd-tp-parent-watch", daemon=True).start()
+
+
 def _worker_main(rank: int, spec: RankSpec, conn, weights_queue) -> None:
     """A worker rank: join, build from the shard rank 0 sends, then run steps until `None`."""
+    _exit_with_parent()
     torch.set_num_threads(spec.threads)
     group = None
     try:
@@ -119,6 +137,47 @@ def _worker_main(rank: int, spec: RankSpec, conn, weights_queue) -> None:
     while (plan := group.broadcast_object()) is not None:
         runner.run(plan)
     group.close()
+
+
+def _start_worker(p, rank: int, threads: int) -> None:
+    """Start worker `rank`. An engine process whose OpenMP threads are bound from the first core
+    (`inferd serve`, engine_proc._bind_cpus) passes that binding on through the environment: the
+    worker gets its own cores' places instead, not rank 0's. An engine process is daemonic
+    (killed with its server), and multiprocessing refuses children of a daemon: the flag is
+    lifted for the start (the workers are daemons themselves, and leave when rank 0 does)."""
+    me = multiprocessing.current_process()
+    daemon, saved = me.daemon, os.environ.get("OMP_PLACES")
+    if "OMP_PROC_BIND" in os.environ:
+        cpus = sorted(os.sched_getaffinity(0))[rank * threads : (rank + 1) * threads]
+        os.environ["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
+    try:
+        me.daemon = False
+        p.start()
+    finally:
+        me.daemon = daemon
+        if saved is None:
+            os.environ.pop("OMP_PLACES", None)
+        else:
+            os.environ["OMP_PLACES"] = saved
+
+
+def _shared_copy(weights: dict) -> dict:
+    """Every tensor of `weights` copied into shared memory, here and now. The queue's feeder
+    thread would otherwise move each tensor's storage into shared memory itself, later, while
+    this thread reads the same storage (a replicated weight, or a slice that views the loaded
+    one) to build rank 0's model."""
+
+    def shared(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone().share_memory_()
+
+    out = {}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            w = dataclasses.replace(w, data=shared(w.data), scales=shared(w.scales), mins=shared(w.mins))
+        else:
+            w = shared(w)
+        out[name] = w
+    return out
 
 
 def _free_port() -> int:
@@ -158,18 +217,19 @@ class TensorParallelExecutor:
             q = ctx.Queue()
             p = ctx.Process(target=_worker_main, args=(rank, spec, child, q), daemon=True,
                             name=f"inferd-tp-rank{rank}")  # fmt: skip
-            p.start()
+            _start_worker(p, rank, threads)
             self.workers.append(p)
             self.conns.append(parent)
             queues.append(q)
         self.group = None
+        self._threads_before = torch.get_num_threads()  # given back at close (a library caller's)
         try:
             self._wait_for("started")
             torch.set_num_threads(threads)
             self.group = spec.group(0)
             sent = []
             for rank, q in enumerate(queues, start=1):
-                sent.append(shard(rank))  # kept alive until the worker has built from it
+                sent.append(_shared_copy(shard(rank)))  # alive until the worker has built from it
                 q.put(sent[-1])
             model = build_rank_model(spec, own, self.group)
             del own
@@ -210,6 +270,7 @@ class TensorParallelExecutor:
                     pass
             self.group.close()
             self.group = None
+        torch.set_num_threads(self._threads_before)
         for p in self.workers:
             p.join(timeout=10 if graceful else 0)
             if p.is_alive():
