@@ -149,8 +149,8 @@ def test_what_cannot_split_is_a_value_error(root):
     kq = write_gguf(root / "kq.gguf", KQUANT_SPEC, quant="kquants").path
     with pytest.raises(ValueError, match="multiples of 256"):
         LLM(str(kq), verbose=False, tensor_parallel_size=2)
-    if usable_cpus() < 8:
+    if len(usable_cpus()) < 8:
         big = write_hf_dir(root / "split8", HEADS_8X8).path
-        tp = 4 if usable_cpus() < 4 else 8
+        tp = 4 if len(usable_cpus()) < 4 else 8
         with pytest.raises(ValueError, match="needs a core per rank"):
             LLM(str(big), verbose=False, tensor_parallel_size=tp)

@@ -39,15 +39,20 @@ _SHM_MAX_BYTES = 16 << 20  # the largest all-reduce through shared memory; large
 _START_TIMEOUT_S = 600.0
 
 
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def usable_cpus() -> list[int]:
+    """The CPUs this engine's ranks may share. Under `inferd serve`'s OpenMP binding
+    (engine_proc._bind_cpus) libgomp has pinned this thread to the first core already, so the
+    process's own mask says one CPU: the binding spans the machine's."""
+    if "OMP_PROC_BIND" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return list(range(os.cpu_count() or 1))
+    return sorted(os.sched_getaffinity(0))
 
 
 def check_placement(tp: int, device: torch.device) -> None:
     """ValueError where `tp` ranks cannot each get a core of this host's (CPU ranks)."""
-    if device.type == "cpu" and tp > usable_cpus():
+    if device.type == "cpu" and tp > len(usable_cpus()):
         raise ValueError(f"--tensor-parallel-size {tp} needs a core per rank; this process may "
-                         f"use {usable_cpus()}")  # fmt: skip
+                         f"use {len(usable_cpus())}")  # fmt: skip
     if device.type == "cuda" and tp > torch.cuda.device_count():
         raise ValueError(f"--tensor-parallel-size {tp} needs a GPU per rank; "
                          f"{torch.cuda.device_count()} are visible")  # fmt: skip
@@ -147,14 +152,18 @@ def _start_worker(p, rank: int, threads: int) -> None:
     lifted for the start (the workers are daemons themselves, and leave when rank 0 does)."""
     me = multiprocessing.current_process()
     daemon, saved = me.daemon, os.environ.get("OMP_PLACES")
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if "OMP_PROC_BIND" in os.environ:
-        cpus = sorted(os.sched_getaffinity(0))[rank * threads : (rank + 1) * threads]
+        cpus = usable_cpus()[rank * threads : (rank + 1) * threads]
         os.environ["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
+        os.sched_setaffinity(0, cpus)  # the child starts with this thread's mask: its cores
     try:
         me.daemon = False
         p.start()
     finally:
         me.daemon = daemon
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
         if saved is None:
             os.environ.pop("OMP_PLACES", None)
         else:
@@ -197,7 +206,7 @@ class TensorParallelExecutor:
         check_placement(tp, device)
         from inferd.models import model_class
 
-        threads = max(1, usable_cpus() // tp) if device.type == "cpu" else torch.get_num_threads()
+        threads = max(1, len(usable_cpus()) // tp) if device.type == "cpu" else torch.get_num_threads()
         shm_bytes = min(_SHM_MAX_BYTES, config.scheduler.max_num_batched_tokens * model_config.hidden_size * 4)
         self.spec = spec = RankSpec(
             config, model_config, num_blocks, block_size, layout, max_positions, dtype, str(device),
