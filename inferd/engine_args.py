@@ -14,11 +14,11 @@ import re
 from typing import Any
 
 from inferd.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
-    DISTRIBUTED_EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
     ParallelConfig,

@@ -18,7 +18,7 @@ from tiny_families import hf_greedy, write_family
 from tiny_models import KQUANT_SPEC, TinySpec, write_gguf, write_hf_dir
 
 from inferd import LLM, SamplingParams
-from inferd.distributed.executor import usable_cpus
+from inferd.distributed.executor import free_port, usable_cpus
 from inferd.distributed.group import TPGroup
 from inferd.distributed.shard import check_tensor_parallel
 from inferd.distributed.shm_allreduce import ShmAllReduce
@@ -51,7 +51,9 @@ def _generate(model, tp: int, **kw) -> list[list[int]]:
 
 
 def _hf_tokens(hf_dir: Path, vocab: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32
+    ).eval()
     return [hf_greedy(model, p, NEW_TOKENS)[0] for p in _prompts(vocab)]
 
 
@@ -103,10 +105,15 @@ def test_tp2_mixture_of_experts(root):
 def test_gemma3_kv_head_replicated():
     """Gemma 3 270M: 4 query heads, 1 KV head (each rank holds it), K-quant blocks split."""
     loaded = load_model(gemma3_gguf(), verbose=False)
-    texts = [loaded.tokenizer.encode("The capital of France is"), loaded.tokenizer.encode("def f(n):")]
+    texts = [
+        loaded.tokenizer.encode("The capital of France is"),
+        loaded.tokenizer.encode("def f(n):"),
+    ]
     outs = {}
     for tp in (1, 2):
-        with LLM(loaded=loaded, verbose=False, kv_cache_memory=32 << 20, tensor_parallel_size=tp) as llm:
+        with LLM(
+            loaded=loaded, verbose=False, kv_cache_memory=32 << 20, tensor_parallel_size=tp
+        ) as llm:
             params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             outs[tp] = [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)]
     assert outs[2] == outs[1]
@@ -125,11 +132,7 @@ def _all_reduce_ranks(rank: int, port: int, name: str, out: str) -> None:
 
 
 def test_shared_memory_all_reduce_equals_gloo(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tmp.spawn(_all_reduce_ranks, args=(port, ShmAllReduce.create_name(), str(tmp_path)), nprocs=2)
     r0, r1 = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")
     for (gloo0, shm0), (gloo1, shm1) in zip(r0, r1):

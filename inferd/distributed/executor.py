@@ -11,6 +11,7 @@ raises as its own. Shut-down: rank 0 broadcasts `None`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -18,7 +19,6 @@ import socket
 import threading
 import time
 import traceback
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +136,7 @@ def _worker_main(rank: int, spec: RankSpec, conn, weights_queue) -> None:
         runner = build_runner(spec, model, group)
         del weights
         conn.send(("ready", None))
-    except BaseException as e:  # rank 0 raises it: a worker's own stderr is easy to miss
+    except Exception as e:  # noqa: BLE001 (rank 0 raises it: a worker's stderr is easy to miss)
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     while (plan := group.broadcast_object()) is not None:
@@ -182,14 +182,17 @@ def _shared_copy(weights: dict) -> dict:
     out = {}
     for name, w in weights.items():
         if isinstance(w, QuantizedWeight):
-            w = dataclasses.replace(w, data=shared(w.data), scales=shared(w.scales), mins=shared(w.mins))
+            w = dataclasses.replace(
+                w, data=shared(w.data), scales=shared(w.scales), mins=shared(w.mins)
+            )
         else:
             w = shared(w)
         out[name] = w
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a group's store)."""
     with socket.socket() as s:
         s.bind((_HOST, 0))
         return s.getsockname()[1]
@@ -206,16 +209,21 @@ class TensorParallelExecutor:
         check_placement(tp, device)
         from inferd.models import model_class
 
-        threads = max(1, len(usable_cpus()) // tp) if device.type == "cpu" else torch.get_num_threads()
-        shm_bytes = min(_SHM_MAX_BYTES, config.scheduler.max_num_batched_tokens * model_config.hidden_size * 4)
+        threads = (
+            max(1, len(usable_cpus()) // tp) if device.type == "cpu" else torch.get_num_threads()
+        )
+        shm_bytes = min(
+            _SHM_MAX_BYTES, config.scheduler.max_num_batched_tokens * model_config.hidden_size * 4
+        )
         self.spec = spec = RankSpec(
             config, model_config, num_blocks, block_size, layout, max_positions, dtype, str(device),
-            threads, _free_port(), ShmAllReduce.create_name() if device.type == "cpu" else None,
+            threads, free_port(), ShmAllReduce.create_name() if device.type == "cpu" else None,
             shm_bytes,
         )  # fmt: skip
         cls = model_class(model_config.architecture)
-        shard = lambda r: shard_weights(weights, model_config, cls, r, tp,  # noqa: E731
-                                        config.quantization, config.quantization_group_size)
+        shard = lambda r: shard_weights(
+            weights, model_config, cls, r, tp, config.quantization, config.quantization_group_size
+        )
         # Rank 0's first, before any process starts: a weight that cannot split fails here (every
         # rank's cut falls on the boundaries rank 0's end does).
         own = shard(0)
@@ -260,7 +268,9 @@ class TensorParallelExecutor:
                     raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) "
                                        f"before it was {what}")  # fmt: skip
                 if waited > _START_TIMEOUT_S:
-                    raise RuntimeError(f"tensor-parallel rank {rank} not {what} after {waited:.0f} s")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} not {what} after {waited:.0f} s"
+                    )
             kind, detail = conn.recv()
             if kind == "error":
                 first = detail.splitlines()[0]

@@ -32,7 +32,9 @@ class TPGroup:
         self.rank, self.world, self.device = rank, world, device
         self.store = dist.TCPStore(host, port, world, rank == 0, timeout=TIMEOUT)
         # The step broadcast is CPU bytes: gloo always; the model's tensors on NCCL on CUDA.
-        self.cpu_pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world, TIMEOUT)
+        self.cpu_pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo", self.store), rank, world, TIMEOUT
+        )
         self.pg = self.cpu_pg
         if device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), rank, world)

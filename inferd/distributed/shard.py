@@ -49,13 +49,17 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"{name}: OLMoE normalises q and k over all heads at once, which a head "
                          "split cannot compute locally")  # fmt: skip
     if cfg.num_heads % tp:
-        raise ValueError(f"{name}: the model's {cfg.num_heads} attention heads do not divide by {tp}")
+        raise ValueError(
+            f"{name}: the model's {cfg.num_heads} attention heads do not divide by {tp}"
+        )
     kv = cfg.num_kv_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise ValueError(f"{name}: the model's {kv} KV heads neither divide by {tp} nor divide it "
                          "(to be replicated)")  # fmt: skip
     if cfg.vocab_size % tp:
-        raise ValueError(f"{name}: the vocabulary of {cfg.vocab_size} tokens does not divide by {tp}")
+        raise ValueError(
+            f"{name}: the vocabulary of {cfg.vocab_size} tokens does not divide by {tp}"
+        )
     for what, size in (("intermediate_size", cfg.intermediate_size),
                        ("moe_intermediate_size", cfg.moe_intermediate_size),
                        ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):  # fmt: skip
@@ -156,7 +160,13 @@ class Sharder:
             return w
         rest = m.group(2)
         parts = rest.split(".")
-        if parts[0] == "self_attn" and parts[1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"):
+        if parts[0] == "self_attn" and parts[1] in (
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "qkv_proj",
+            "o_proj",
+        ):
             if parts[1] == "o_proj" and parts[2] == "bias":
                 raise ValueError(f"{name}: a row-parallel bias is not supported")
             return self._attention(parts[1], w)
@@ -171,18 +181,18 @@ def _unstack_experts(weights: dict[str, Weight], cls: type, cfg: ModelConfig) ->
     cut (and quantized) as a 2-D linear."""
     out = dict(weights)
     gate_n, up_n, down_n = cls.EXPERT_NAMES
+
+    def expert(key: str, e: int) -> Weight:
+        w = weights[key]
+        if isinstance(w, QuantizedWeight):
+            rows = w.shape[0] // cfg.num_experts
+            return w.rows(torch.arange(e * rows, (e + 1) * rows))
+        return w[e]
+
     for name in [n for n in weights if n.endswith("mlp.experts.down_proj")]:
         src = name.removesuffix("mlp.experts.down_proj")
         dst = f"{src}{cls.MOE_MODULE}."
         e_count = cfg.num_experts
-
-        def expert(key: str, e: int) -> Weight:
-            w = weights[key]
-            if isinstance(w, QuantizedWeight):
-                rows = w.shape[0] // e_count
-                return w.rows(torch.arange(e * rows, (e + 1) * rows))
-            return w[e]
-
         fused = f"{src}mlp.experts.gate_up_proj"
         for e in range(e_count):
             if fused in weights:
@@ -211,15 +221,20 @@ def _is_linear(name: str, tied: bool) -> bool:
 
 
 def shard_weights(
-    weights: dict[str, Weight], cfg: ModelConfig, model_cls: type, rank: int, tp: int,
-    quantization: str = "none", group_size: int = 32,
+    weights: dict[str, Weight],
+    cfg: ModelConfig,
+    model_cls: type,
+    rank: int,
+    tp: int,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> dict[str, Weight]:
     """Rank `rank`'s HF-named weights (module docstring)."""
     if tp == 1:
         return weights
     sharder = Sharder(cfg, model_cls, rank, tp)
     weights = _unstack_experts(weights, model_cls, cfg)
-    quantize: Callable[[str, Weight], Weight] = lambda name, w: w  # noqa: E731
+    quantize: Callable[[str, Weight], Weight] = lambda name, w: w
     if quantization in ("int8", "int4", "fp8"):
         tied = cfg.tie_word_embeddings
 

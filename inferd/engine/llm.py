@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -155,7 +155,7 @@ class LLM:
         """Stop the engine's tensor-parallel workers, if any (also done when it is collected)."""
         self.engine.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
