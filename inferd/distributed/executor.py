@@ -244,6 +244,8 @@ class TensorParallelExecutor:
             self._wait_for("started")
             torch.set_num_threads(threads)
             self.group = spec.group(0)
+            if self.group.shm is not None:
+                self.group.shm.peers_alive = lambda: all(p.is_alive() for p in self.workers)
             sent = []
             for rank, q in enumerate(queues, start=1):
                 sent.append(_shared_copy(shard(rank)))  # alive until the worker has built from it

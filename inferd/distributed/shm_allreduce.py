@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
 _LINE = 64  # bytes: one sequence number per cache line
 _SPINS_BEFORE_YIELD = 64  # then yield the core: on a shared machine the peer may need it
+_SPINS_PER_CHECK = 4096  # yields between checks that the other ranks still run
 
 
 class ShmAllReduce:
@@ -39,6 +41,9 @@ class ShmAllReduce:
         self._slots = torch.frombuffer(self._mm, dtype=torch.float32, offset=header,
                                        count=2 * world * nbytes // 4).view(2, world, -1)  # fmt: skip
         self._seq = 0
+        # Whether the other ranks' processes still run (set by whoever started them): a rank
+        # that died never publishes, and gloo's closed connection would not tell this loop.
+        self.peers_alive: Callable[[], bool] = lambda: True
 
     @staticmethod
     def create_name() -> str:
@@ -63,6 +68,8 @@ class ShmAllReduce:
                 spins += 1
                 if spins > _SPINS_BEFORE_YIELD:
                     os.sched_yield()
+                    if spins % _SPINS_PER_CHECK == 0 and not self.peers_alive():
+                        raise RuntimeError(f"tensor-parallel rank {r} is gone (all-reduce {seq})")
         flat.copy_(slots[0, :n])
         for r in range(1, self.world):
             flat.add_(slots[r, :n])
