@@ -127,11 +127,12 @@ def _all_reduce_ranks(rank: int, port: int, name: str, out: str) -> None:
     for shape in [(576,), (3, 64), (7, 100), (576,), (1,)]:  # the last: the slots alternate
         x = torch.randn(shape, generator=g) * 10 ** torch.randint(-3, 4, shape, generator=g)
         results.append((group.all_reduce_gloo(x.clone()), group.all_reduce(x.clone())))
+        results.append((group.all_gather_gloo(x, 0), group.all_gather(x, 0)))
     torch.save(results, f"{out}/{rank}.pt")
     group.close()
 
 
-def test_shared_memory_all_reduce_equals_gloo(tmp_path):
+def test_shared_memory_collectives_equal_gloo(tmp_path):
     port = free_port()
     tmp.spawn(_all_reduce_ranks, args=(port, ShmAllReduce.create_name(), str(tmp_path)), nprocs=2)
     r0, r1 = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")

@@ -4,10 +4,10 @@ the CPU, NCCL on CUDA) and the collectives the model and the step broadcast use.
 The group is built from its own TCP store rather than `init_process_group`'s global default, so
 that a process may hold several engines (tests, a server's models) one after another.
 
-On the CPU the layers' all-reduce of a hidden-size row goes through `ShmAllReduce` (one shared
-buffer and a spin barrier between the ranks on this host) when every rank is on one host: gloo's
-TCP round trip costs ~0.25 ms a call here, 60 calls a step for a 30-layer model. Both add the
-ranks' partial sums in rank order, so they give the same bits (tests/test_tensor_parallel.py).
+On the CPU the layers' all-reduces and the logits' all-gather go through `ShmAllReduce` (one
+shared buffer and a spin barrier between the ranks, all on this host) up to its size: gloo's TCP
+round trip costs ~0.25 ms a call here, 61 calls a step for a 30-layer model. Both add the ranks'
+partial sums in rank order, so they give the same bits (tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ class TPGroup:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' `x` concatenated along `dim`, rank 0's first."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
+        return self.all_gather_gloo(x, dim)
+
+    def all_gather_gloo(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """`all_gather` through the process group whatever the size (tests compare the two)."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         self.pg.allgather([parts], [x]).wait()

@@ -1,6 +1,7 @@
-"""An all-reduce between the processes of one host through shared memory: each rank writes its
-partial sum into its slot, publishes the call's sequence number, waits for every rank's, and adds
-the slots in rank order (the same bits on every rank, and gloo's for two ranks: a + b == b + a).
+"""All-reduce and all-gather between the processes of one host through shared memory: each rank
+writes its tensor into its slot, publishes the call's sequence number and waits for every rank's;
+an all-reduce then adds the slots in rank order (the same bits on every rank, and gloo's for two
+ranks: a + b == b + a), an all-gather concatenates them.
 
 Two sets of slots alternate by call: a rank can only start call n + 2 (overwriting call n's slots)
 once every rank has published call n + 1, i.e. has finished reading call n. The sequence numbers
@@ -53,14 +54,14 @@ class ShmAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and x.is_cpu and x.numel() * 4 <= self.nbytes
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in rank order, in place."""
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Publish `x` and wait for every rank's: the slots [world, numel] of this call (valid
+        until this rank's next call but one)."""
         self._seq += 1
         seq = self._seq
         slots = self._slots[seq % 2]
         n = x.numel()
-        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
-        slots[self.rank, :n].copy_(flat)
+        slots[self.rank, :n].copy_(x.reshape(-1))
         self._seqs[self.rank] = seq
         for r in range(self.world):
             spins = 0
@@ -69,13 +70,24 @@ class ShmAllReduce:
                 if spins > _SPINS_BEFORE_YIELD:
                     os.sched_yield()
                     if spins % _SPINS_PER_CHECK == 0 and not self.peers_alive():
-                        raise RuntimeError(f"tensor-parallel rank {r} is gone (all-reduce {seq})")
-        flat.copy_(slots[0, :n])
+                        raise RuntimeError(f"tensor-parallel rank {r} is gone (exchange {seq})")
+        return slots[:, :n]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in rank order, in place."""
+        slots = self._exchange(x)
+        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+        flat.copy_(slots[0])
         for r in range(1, self.world):
-            flat.add_(slots[r, :n])
+            flat.add_(slots[r])
         if not x.is_contiguous():
             x.copy_(flat.view_as(x))
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The ranks' `x` concatenated along `dim`, rank 0's first (a new tensor)."""
+        slots = self._exchange(x)
+        return torch.cat([slots[r].view(x.shape) for r in range(self.world)], dim=dim)
 
     def unlink(self) -> None:
         """Remove the name (every rank has mapped it; the memory lives while they do)."""
