@@ -393,6 +393,32 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one model spans processes (inferd/distributed, docs/scale-out.md)."""
+
+    # Ranks that each hold a slice of every layer (heads, MLP rows, vocabulary); rank 0 schedules.
+    tensor_parallel_size: int = 1
+    # How ranks and replicas start: "mp" = processes on this host (spawned); "ray" = `serve
+    # --data-parallel-size` replicas as Ray actors (tensor-parallel ranks run as "mp" only).
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got "
+                             f"{self.distributed_executor_backend!r}")  # fmt: skip
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError("--tensor-parallel-size > 1 runs its ranks as processes on this host "
+                             "(--distributed-executor-backend mp); Ray places --data-parallel-size "
+                             "replicas only")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the CLI or `LLM(...)`."""
@@ -410,6 +436,7 @@ class EngineConfig:
     # Seconds a structured-output grammar may take to compile before its request fails.
     structured_output_timeout: float = 30.0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "half", "float"):

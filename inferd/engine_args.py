@@ -14,18 +14,21 @@ import re
 from typing import Any
 
 from inferd.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     field_default,
 )
 
-_NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
+                            "parallel": ParallelConfig}  # fmt: skip
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
 
 
@@ -159,6 +162,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--speculative-config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), draft_model ("model": '
         'path), eagle ("model": a trained head\'s directory)')
+    add("--tensor-parallel-size", "ranks that each hold a slice of every layer (heads, MLP rows, "
+        "vocabulary), in worker processes on this host; on a CPU each rank takes cores / N "
+        "threads" + shown, "-tp", type=int)
+    add("--distributed-executor-backend", "how ranks and replicas start: mp = processes on this "
+        "host; ray = serve's --data-parallel-size replicas as actors on the Ray cluster at "
+        "--ray-address, one placement group each (pip install 'inferd[ray]')" + shown,
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
         type=float)
 

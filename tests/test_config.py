@@ -13,7 +13,7 @@ import pytest
 import inferd
 from inferd import envs
 from inferd.cli import build_parser
-from inferd.config import CacheConfig, EngineConfig, SchedulerConfig, field_default
+from inferd.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, field_default
 from inferd.engine.llm import LLM
 from inferd.engine_args import (
     ENGINE_ARGS,
@@ -32,7 +32,7 @@ def _value(config: EngineConfig, name: str) -> object:
     """Engine argument `name` as `config` holds it."""
     if name == "speculative_config":
         return config.speculative
-    for part in (config, config.cache, config.scheduler):
+    for part in (config, config.cache, config.scheduler, config.parallel):
         if hasattr(part, name):
             return getattr(part, name)
     raise KeyError(name)
@@ -45,8 +45,8 @@ def _engine_parser() -> argparse.ArgumentParser:
 
 
 def test_every_config_field_is_an_engine_argument_once() -> None:
-    nested = [f for cls in (CacheConfig, SchedulerConfig) for f in cls.__dataclass_fields__]
-    own = [f for f in EngineConfig.__dataclass_fields__ if f not in ("cache", "scheduler")]
+    nested = [f for cls in (CacheConfig, SchedulerConfig, ParallelConfig) for f in cls.__dataclass_fields__]
+    own = [f for f in EngineConfig.__dataclass_fields__ if f not in ("cache", "scheduler", "parallel")]
     assert len(ENGINE_ARGS) == len(nested) + len(own)
     assert set(ENGINE_ARGS) == {*nested, *own} - {"speculative"} | {"speculative_config"}
 
@@ -84,7 +84,7 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
             "--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager",
             "--structured-output-timeout", "2.5",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
-            "--log-stats-interval", "1"]  # fmt: skip
+            "--log-stats-interval", "1", "--tensor-parallel-size", "2"]  # fmt: skip
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
     llm = LLM.engine_config(
         "x.gguf", dtype="float32", device="cpu", quantization="int4", quantization_group_size=64,
@@ -94,10 +94,12 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
         max_step_latency_factor=2.0, ttft_slo_ms=500.0,
         disable_hybrid_kv_cache_manager=True, structured_output_timeout=2.5,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
+        tensor_parallel_size=2,
     )  # fmt: skip
     assert cli == llm
     defaults = EngineConfig()
-    for name in set(ENGINE_ARGS) - NOT_FLAGS:  # the argv above moves every flag off its default
+    # The argv above moves every flag off its default (but one with a single choice so far).
+    for name in set(ENGINE_ARGS) - NOT_FLAGS - {"distributed_executor_backend"}:
         assert _value(cli, name) != _value(defaults, name), name
 
 

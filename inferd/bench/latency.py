@@ -184,7 +184,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     llm = LLM(loaded=loaded, verbose=False, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
               enable_prefix_caching=False, kv_cache_memory=kv_memory,
-              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+              kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     engine = llm.engine
     engine.runner.wait_kv_prefault()
     cost = engine_step_cost(engine)
@@ -271,6 +272,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
         "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
+        "tensor_parallel_size": args.tensor_parallel_size,
         **cpu_kernels_report(), "roofline": roof.as_dict(),
         "weight_mb_per_step": round(cost.weight_bytes_read(b) / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
@@ -293,6 +295,7 @@ def run_latency(args: argparse.Namespace) -> dict:
           f"{report['inferd_pct_of_bandwidth_limit']}%); inferd decode vs {ratios}")  # fmt: skip
     if load is not None:
         print(load["summary"])
+    llm.close()
     print(json.dumps(report))
     return report
 
@@ -320,4 +323,7 @@ def add_latency_parser(sub) -> None:
                    help="sample at this temperature instead of greedy (inferd only: "
                         "--peers none)")  # fmt: skip
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="inferd's ranks (docs/scale-out.md): each takes cores / N threads, "
+                        "overriding --threads")  # fmt: skip
     p.set_defaults(func=run_latency)

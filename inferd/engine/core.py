@@ -15,10 +15,13 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 
 import torch
 
 from inferd.config import EngineConfig, resolve_device, resolve_dtype
+from inferd.distributed.executor import TensorParallelExecutor, check_placement
+from inferd.distributed.shard import check_tensor_parallel, shard_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.memory_plan import (
     MemoryPlan,
@@ -89,45 +92,69 @@ class EngineCore:
         kv_cache_dtype = config.cache.kv_cache_dtype
         # KV cache groups: a block holds one group's layers (inferd/kv/kv_groups.py).
         layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
-        bytes_per_block = (kv_bytes_per_token(mcfg, self.dtype, kv_cache_dtype) * layout.group_size
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:  # before anything is built: heads or vocabulary that do not split
+            check_tensor_parallel(mcfg, tp)
+            check_placement(tp, self.device)
+            if config.speculative is not None and config.speculative.method == "eagle":
+                raise ValueError("--tensor-parallel-size > 1 with an EAGLE head is not supported "
+                                 "(the head reads the target's whole LM head)")  # fmt: skip
+        # Per rank: each tensor-parallel rank's pool holds its KV heads of every block.
+        bytes_per_block = (kv_bytes_per_token(shard_config(mcfg, tp), self.dtype, kv_cache_dtype) * layout.group_size
                            // mcfg.num_layers * block_size)  # fmt: skip
         # The model first, then the pool from what is left (inferd/engine/memory_plan.py). The
         # rotary tables cover the longest context asked for; cut to the plan's below.
         wanted = config.scheduler.max_model_len
-        try:
-            model = build_model(mcfg, loaded.weights, max_positions=wanted or mcfg.max_position_embeddings,
-                                dtype=self.dtype, device=self.device,
-                                quantization=config.quantization,
-                                quantization_group_size=config.quantization_group_size)  # fmt: skip
-        except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
-            raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
         sched = config.scheduler
-        profiling = self.device.type == "cuda" and config.cache.kv_cache_memory is None
         self._model_positions = wanted or mcfg.max_position_embeddings  # the RoPE tables' length
-        first_blocks = (profile_blocks(sched.max_num_batched_tokens, sched.max_num_seqs, block_size,
-                                       layout.num_groups, self._model_positions) if profiling else 1)  # fmt: skip
-        self.runner = ModelRunner(model, mcfg, first_blocks, block_size, self.dtype, self.device,
-                                  kv_cache_dtype=kv_cache_dtype,
-                                  kv_cache_prefault=config.cache.kv_cache_prefault,
-                                  layout=layout)  # fmt: skip
-        self.weight_bytes = resident_weight_bytes(model)
-        self._draft_loaded = self._load_draft()
-        self.memory_plan = self._plan_memory(bytes_per_block, layout, profiling)
-        num_blocks = self.memory_plan.num_blocks
-        self.runner.resize_kv(num_blocks)
-        # The longest sequence the pool holds (windowed groups hold their window and a step's
-        # queries only).
-        limit = max(mcfg.max_position_embeddings, wanted or 0)
-        capacity = layout.max_tokens(num_blocks, block_size, sched.max_num_batched_tokens, limit)
-        if wanted is not None and wanted > capacity:
-            raise ValueError(
-                f"--max-model-len {wanted} needs more KV cache than the pool holds ({capacity} "
-                "tokens); raise --kv-cache-memory or --gpu-memory-utilization, or lower "
-                "--max-model-len"
-            )
-        self.max_model_len = wanted or min(mcfg.max_position_embeddings, capacity)
-        if self.max_model_len != (wanted or mcfg.max_position_embeddings):
-            model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
+        self.tp_executor: TensorParallelExecutor | None = None
+        if tp > 1:
+            # The ranks build their pools as they start, so the plan comes first: from the weights
+            # still to load (every rank's slice, on this one host) and estimated activations, each
+            # block counted once per rank (each holds its KV heads of every block).
+            self.weight_bytes = weight_bytes_by_mode(loaded.weights, mcfg.tie_word_embeddings)[config.quantization]
+            self._draft_loaded = self._load_draft()
+            num_tokens = sched.max_num_batched_tokens
+            self.memory_plan = plan_kv_memory(
+                config.cache, self.device, weight_bytes=self.weight_bytes, to_load_bytes=self.weight_bytes,
+                activation_bytes=estimate_activation_bytes(mcfg, self.dtype, num_tokens,
+                                                           min(sched.max_num_seqs, num_tokens)),
+                activation_source="estimated", bytes_per_block=bytes_per_block * tp)  # fmt: skip
+            num_blocks = self.memory_plan.num_blocks
+            self.max_model_len = self._max_model_len(layout, num_blocks, block_size)
+            try:
+                self.tp_executor = TensorParallelExecutor(
+                    config, mcfg, loaded.weights, num_blocks, block_size, layout,
+                    self.max_model_len, self.dtype, self.device)  # fmt: skip
+            except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
+                raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
+            # Workers outlive nothing: an engine dropped without close() stops them too.
+            self._finalizer = weakref.finalize(self, self.tp_executor.close)
+            self.runner = self.tp_executor.runner
+            model = self.runner.model
+        else:
+            try:
+                model = build_model(mcfg, loaded.weights, max_positions=self._model_positions,
+                                    dtype=self.dtype, device=self.device,
+                                    quantization=config.quantization,
+                                    quantization_group_size=config.quantization_group_size)  # fmt: skip
+            except (KeyError, ValueError) as e:  # a tensor missing or misshapen: the file is at fault
+                raise ModelLoadError(f"{loaded.source}: {e.args[0] if e.args else e}") from e
+            profiling = self.device.type == "cuda" and config.cache.kv_cache_memory is None
+            first_blocks = (profile_blocks(sched.max_num_batched_tokens, sched.max_num_seqs, block_size,
+                                           layout.num_groups, self._model_positions) if profiling else 1)  # fmt: skip
+            self.runner = ModelRunner(model, mcfg, first_blocks, block_size, self.dtype, self.device,
+                                      kv_cache_dtype=kv_cache_dtype,
+                                      kv_cache_prefault=config.cache.kv_cache_prefault,
+                                      layout=layout)  # fmt: skip
+            self.weight_bytes = resident_weight_bytes(model)
+            self._draft_loaded = self._load_draft()
+            self.memory_plan = self._plan_memory(bytes_per_block, layout, profiling)
+            num_blocks = self.memory_plan.num_blocks
+            self.runner.resize_kv(num_blocks)
+            self.max_model_len = self._max_model_len(layout, num_blocks, block_size)
+            if self.max_model_len != self._model_positions:
+                model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
         self.kv_events = make_publisher(config.cache.kv_events_endpoint, block_size)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout,
                             self.kv_events)  # fmt: skip
@@ -156,6 +183,20 @@ class EngineCore:
                         num_blocks * block_size * layout.group_size // mcfg.num_layers,
                         num_blocks * bytes_per_block / 2**20, describe_kv_cache(kv_cache_dtype, self.dtype),
                         layout.describe())  # fmt: skip
+
+    def _max_model_len(self, layout: KVLayout, num_blocks: int, block_size: int) -> int:
+        """--max-model-len, or the longest sequence the model and the pool hold (windowed groups
+        hold their window and a step's queries only); ValueError where the pool is too small."""
+        wanted, mcfg = self.config.scheduler.max_model_len, self.model_config
+        limit = max(mcfg.max_position_embeddings, wanted or 0)
+        capacity = layout.max_tokens(num_blocks, block_size, self.config.scheduler.max_num_batched_tokens, limit)
+        if wanted is not None and wanted > capacity:
+            raise ValueError(
+                f"--max-model-len {wanted} needs more KV cache than the pool holds ({capacity} "
+                "tokens); raise --kv-cache-memory or --gpu-memory-utilization, or lower "
+                "--max-model-len"
+            )
+        return wanted or min(mcfg.max_position_embeddings, capacity)
 
     def _load_draft(self) -> LoadedModel | None:
         """A draft model's weights, loaded before the plan so that it counts them and its pool."""
@@ -334,6 +375,11 @@ class EngineCore:
                 self.scheduler.finish(seq, "abort")
                 self.spec.release(seq)
         return True
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine runs no more steps)."""
+        if self.tp_executor is not None:
+            self._finalizer()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -150,6 +150,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Flush the prefix cache; True when it is empty afterwards."""
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done when it is collected)."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_stats(self) -> EngineStats:
         """Running / waiting / preempted counts, KV usage, token totals and throughputs."""

@@ -22,6 +22,7 @@ every group has its own block tables, so its own slots and tables in the plan: t
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import sys
@@ -31,6 +32,7 @@ import torch
 
 from inferd.config import ModelConfig
 from inferd.engine.readbacks import HostReadbacks
+from inferd.distributed.group import TPGroup
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
@@ -103,6 +105,31 @@ class StepBatch:
     scratch_copies: tuple[list[int], list[int]] | None = None
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """A step as plain lists (`ModelRunner.plan`): rows, per-KV-group slots, attention entries
+    (first row, q_len, context after the step, block tables per KV group), the rows that sample,
+    draft-tree leaves, and the KV copies to make before the forward."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[list[int]]
+    group: list[tuple[int, int, int, list[list[int]]]]  # short queries, padded (no kernel)
+    kernel_group: list[tuple[int, int, int, list[list[int]]]]
+    prefills: list[tuple[int, int, int, list[list[int]]]]  # long chunks (no kernel)
+    sample_rows: list[int]
+    sample_seqs: list[Sequence]
+    sample_counts: list[int]
+    leaves: _LeafRows | None
+    slot_copies: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+    kv_high_water: int = 0
+
+    def for_workers(self) -> StepPlan:
+        """The plan without its sequences (rank 0's scheduler state, which workers never read)."""
+        return dataclasses.replace(self, sample_seqs=[])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -116,8 +143,14 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         kv_cache_prefault: int = 0,
         layout: KVLayout | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallelism: this runner is rank 0 of `tp`, whose other ranks (workers) run each
+        # step's plan on their shards; `model` is rank 0's shard (its config its heads' and vocab
+        # slice), `cfg` the whole model's.
+        self.tp = tp
+        self.vocab_size = cfg.vocab_size
         self.layout = layout or KVLayout.single(cfg.num_layers)
         self.cfg = cfg
         self.num_blocks = num_blocks
@@ -147,7 +180,7 @@ class ModelRunner:
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py
-        data = allocate_kv_cache(self.cfg, self.num_blocks, self.block_size, storage, self.device,
+        data = allocate_kv_cache(self.model.config, self.num_blocks, self.block_size, storage, self.device,
                                  self.layout.group_size)  # fmt: skip
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
         self.kv_caches = self.kv_cache.layers(self.layout.layer_slot)
@@ -180,6 +213,11 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
+        return self.build(self.plan(out))
+
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step's rows, slots and attention entries as plain lists (what tensor-parallel
+        ranks receive from rank 0: `build` makes the same batch from it anywhere)."""
         bs = self.block_size
         num_groups = self.layout.num_groups
         input_ids: list[int] = []
@@ -189,8 +227,8 @@ class ModelRunner:
         # `tables` holding one block table per KV group.
         group: list[tuple[int, int, int, list[list[int]]]] = []
         kernel_group: list[tuple[int, int, int, list[list[int]]]] = []
-        # Long chunks (no kernel): (first row, q_len, context after step, tables, mask).
-        prefills: list[tuple[int, int, int, list[list[int]], torch.Tensor | None]] = []
+        # Long chunks (no kernel): (first row, q_len, context after step, tables).
+        prefills: list[tuple[int, int, int, list[list[int]]]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_counts: list[int] = []
@@ -221,12 +259,7 @@ class ModelRunner:
             elif self.attention_kernel is None and n <= PADDED_GROUP_MAX_QUERY:
                 group.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables]))
             else:
-                mask = None
-                if start > 0:
-                    # query i sits at position start + i and sees keys [0, start + i].
-                    q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-                    mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
-                prefills.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables], mask))
+                prefills.append((row0, n, end, [t[: (end + bs - 1) // bs] for t in tables]))
             if end >= num_tokens:
                 first = row0 + num_tokens - 1 - start
                 sample_rows.extend(range(first, row0 + n))
@@ -242,17 +275,35 @@ class ModelRunner:
                 slots[g].extend(leaves.slots[g])
             target = kernel_group if self.attention_kernel is not None else group
             target.extend(leaves.entries)
+        return StepPlan(input_ids, positions, slots, group, kernel_group, prefills, sample_rows,
+                        sample_seqs, sample_counts, leaves, out.slot_copies, out.block_copies,
+                        out.kv_high_water)  # fmt: skip
 
+    def _prefill_mask(self, n: int, end: int) -> torch.Tensor | None:
+        """A long chunk's mask: query i sits at position end - n + i and sees keys [0, that]."""
+        start = end - n
+        if start == 0:
+            return None
+        q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
+        return torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
+
+    def build(self, plan: StepPlan) -> StepBatch:
+        """The step's tensors and attention metadata from its plan."""
+        bs = self.block_size
+        num_groups = self.layout.num_groups
+        input_ids, positions, slots, leaves = plan.input_ids, plan.positions, plan.slots, plan.leaves
+        group, kernel_group, prefills = plan.group, plan.kernel_group, plan.prefills
         padded = self._padded_group(group, len(input_ids)) if group else [None] * num_groups
         kernel = self._padded_group(kernel_group, len(input_ids)) if kernel_group else [None] * num_groups
         slot_mappings = self.as_tensor(slots)  # [groups, T]: one tensor, a row per group
+        masks = [self._prefill_mask(n, end) for _, n, end, _ in prefills]
         metas = [
             AttentionMetadata(
                 slot_mapping=slot_mappings[g],
                 block_size=bs,
                 group=padded[g],
                 prefills=[PrefillSlice(r, r + n, end, self.as_tensor(tables[g]), mask)
-                          for r, n, end, tables, mask in prefills],
+                          for (r, n, end, tables), mask in zip(prefills, masks)],
                 kernel_group=kernel[g],
             )
             for g in range(num_groups)
@@ -261,8 +312,8 @@ class ModelRunner:
         if num_groups > 1:
             meta.kv_groups = metas
             meta.layer_group = self.layout.layer_group
-        batch = StepBatch(self.as_tensor(input_ids), self.as_tensor(positions), meta, sample_rows,
-                          sample_seqs, sample_counts)  # fmt: skip
+        batch = StepBatch(self.as_tensor(input_ids), self.as_tensor(positions), meta,
+                          plan.sample_rows, plan.sample_seqs, plan.sample_counts)  # fmt: skip
         if leaves is not None:
             mirror_rows = self.as_tensor(leaves.mirror_rows)
             mirror_slots = self.as_tensor(leaves.mirror_slots)  # [groups, M]
@@ -327,15 +378,23 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
         final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
+        plan = self.plan(out)
+        if self.tp is not None:  # the other ranks run the same step on their shards
+            self.tp.broadcast_object(plan.for_workers())
+        return self.run(plan, all_hidden)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """`execute` from the step's plan (a tensor-parallel worker's entry: it has no scheduler)."""
         if self.kv_prefaulter is not None:
-            self.kv_prefaulter.advance(out.kv_high_water)
-        if out.slot_copies:  # accepted draft-tree leaves, out of the last step's scratch blocks
-            src, dst = zip(*out.slot_copies)
+            self.kv_prefaulter.advance(plan.kv_high_water)
+        if plan.slot_copies:  # accepted draft-tree leaves, out of the last step's scratch blocks
+            src, dst = zip(*plan.slot_copies)
             self.kv_cache.copy_slots(self.as_tensor(list(src)), self.as_tensor(list(dst)))
-        if out.block_copies:  # copy-on-write of shared blocks
-            src, dst = zip(*out.block_copies)
+        if plan.block_copies:  # copy-on-write of shared blocks
+            src, dst = zip(*plan.block_copies)
             self.kv_cache.copy_blocks(self.as_tensor(list(src)), self.as_tensor(list(dst)))
-        batch = self.prepare(out)
+        batch = self.build(plan)
         if batch.scratch_copies is not None and batch.scratch_copies[0]:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -344,7 +403,7 @@ class ModelRunner:
             captured = self.model.captured if self.model.capture_layers else ()
             batch.hidden = torch.cat([hidden, *captured], dim=-1) if captured else hidden
         if not batch.sample_rows:
-            empty = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+            empty = hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
             return empty, hidden[:0], batch
         if batch.sample_rows == list(range(hidden.shape[0])):
             rows = hidden  # every row samples (pure decode): no gather

@@ -19,6 +19,7 @@ extension), the spec passed along: the same kernels in the same order, so the sa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -137,13 +138,20 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if spec.moe is None else SparseMoE(cfg.hidden_size, spec.moe)
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps) if sandwich else None
+        # Under tensor parallelism (inferd/distributed): the attention and MLP outputs are this
+        # rank's partial sums, added across ranks by this all-reduce before anything reads them.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x, ropes, kv_cache, meta) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm.forward(x), ropes, kv_cache, meta)
+        if self.reduce is not None:
+            h = self.reduce(h)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm.forward(h)
         x = x + h
         h = self.mlp.forward(self.pre_mlp_norm.forward(x))
+        if self.reduce is not None:
+            h = self.reduce(h)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm.forward(h)
         return x + h
@@ -197,6 +205,8 @@ class DecoderForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
         self._embed_scale: float | None = spec.embed_scale
+        # Off on tensor-parallel ranks: the C++ step runs whole layers, with no all-reduce inside.
+        self.fused_decode = True
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -249,7 +259,7 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed(input_ids)
         ropes = [rotary(positions) for rotary in self.rotaries]
-        if FUSED_DECODE and self._fused_step_takes(x, kv_caches, meta):
+        if FUSED_DECODE and self.fused_decode and self._fused_step_takes(x, kv_caches, meta):
             captured = None
             if self.capture_layers:  # rows the C++ step copies out as it passes those layers
                 captured = x.new_empty((len(self.capture_layers), *x.shape))

@@ -81,6 +81,30 @@ class QuantizedWeight:
                                self.scales[index].contiguous(), mins,
                                (len(index), self.shape[1]), self.group, self.source)  # fmt: skip
 
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """The same weight's input columns [start, end) (a row-parallel shard), which must fall on
+        its blocks' and groups' boundaries: ValueError naming the shape otherwise."""
+        if self.layout == "tiles":
+            return self.rows(torch.arange(self.shape[0])).columns(start, end)
+        if self.format in gguf_blocks.FORMATS:
+            return gguf_blocks.columns(self, start, end)
+        k = self.shape[1]
+        per_channel = self.group == k
+        step = 32 if per_channel else self.group
+        if start % step or end % step:
+            raise ValueError(f"a {self.format} weight [{self.shape[0]}, {k}] in groups of {step} "
+                             f"cannot split along K at [{start}, {end})")  # fmt: skip
+        div = 2 if self.format == "int4" else 1  # int4: two codes a byte, a block's bytes together
+        scales = self.scales if per_channel else self.scales[:, start // self.group : end // self.group]
+        mins = self.mins
+        if mins is not None and not per_channel:
+            mins = mins[:, start // self.group : end // self.group]
+        return QuantizedWeight(
+            self.format, self.data[:, start // div : end // div].contiguous(), scales.contiguous(),
+            None if mins is None else mins.contiguous(), (self.shape[0], end - start),
+            end - start if per_channel else self.group, self.source,
+        )  # fmt: skip
+
     def to(self, device: torch.device) -> QuantizedWeight:
         if self.layout != "rows" and torch.device(device).type != "cpu":
             raise ValueError("packed tiles are a CPU layout")

@@ -167,6 +167,28 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
                            f"GGUF {t.name}")  # fmt: skip
 
 
+
+def columns(w: QuantizedWeight, start: int, end: int) -> QuantizedWeight:
+    """Input columns [start, end) of a row-layout weight (a row-parallel shard), both on the
+    type's block boundaries: every section of a row (nibbles, bit planes, sub-block scales) is
+    ordered by 32-weight block, so each is cut at the same blocks."""
+    from inferd.quantization.formats import QuantizedWeight
+
+    t, k = BY_FORMAT[w.format], w.shape[1]
+    if start % t.group or end % t.group:
+        raise ValueError(f"{t.name} weights split along K only at multiples of {t.group}; "
+                         f"columns [{start}, {end}) of K = {k} are not")  # fmt: skip
+    # Bytes per 32 weights of each section of a row: nibbles, bit planes, sub-block scales.
+    per_block = [16, 4 * t.planes] + ([1, 1] if t.sub == 1 else [2] if t.sub == 2 else [])
+    parts, offset = [], 0
+    for b in per_block:
+        parts.append(w.data[:, offset + start // 32 * b : offset + end // 32 * b])
+        offset += k // 32 * b
+    g0, g1 = start // t.group, end // t.group
+    mins = None if w.mins is None else w.mins[:, g0:g1].contiguous()
+    return QuantizedWeight(w.format, torch.cat(parts, 1).contiguous(), w.scales[:, g0:g1].contiguous(),
+                           mins, (w.shape[0], end - start), t.group, w.source)  # fmt: skip
+
 # ---- the row layout → values ------------------------------------------------------------------
 @dataclass(slots=True)
 class Parts:

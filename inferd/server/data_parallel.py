@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from inferd.config import DISTRIBUTED_EXECUTOR_BACKENDS
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_proc import ProcessBackend
@@ -21,7 +22,7 @@ from inferd.router.policy import POLICIES, make_policy
 from inferd.server.replicas import ReplicaSet
 from inferd.server.supervisor import SupervisionConfig
 
-BACKENDS = ("mp", "ray")
+BACKENDS = DISTRIBUTED_EXECUTOR_BACKENDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +52,6 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=d.size,
                    help="engine replicas behind this server, each with its own KV cache and "
                    "its share of the cores; requests are routed by --router-policy")  # fmt: skip
-    g.add_argument("--distributed-executor-backend", choices=BACKENDS, default=d.backend,
-                   help="mp: the replicas are processes on this host; ray: Ray actors on the "
-                   "cluster at --ray-address, one placement group each (pip install "
-                   "'inferd[ray]')")  # fmt: skip
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per replica (default: one per core of its share)")
     g.add_argument("--router-policy", choices=sorted(POLICIES), default=d.router_policy,
