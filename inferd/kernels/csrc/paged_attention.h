@@ -202,15 +202,19 @@ inline __m512 sum16x16(const __m512 v[16]) {
 
 // Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16, each
 // lane's products summed in column order (the same bits for a key wherever it falls in a block).
+// One key at a time, its D / 16 products finished before the next key's: the 16 sums stay in
+// registers (column-outer loops left them on the stack, a store and a load per FMA), and each
+// lane's operations are the same ones in the same order either way.
 template <int D>
 inline void scores16(const float* q, const float* const key[16], const float* s, float* out) {
   __m512 acc[16];
-  for (int c = 0; c < D / 16; ++c) {
-    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-    for (int t = 0; t < 16; ++t) {
-      const __m512 kc = _mm512_loadu_ps(key[t] + 16 * c);
-      acc[t] = c == 0 ? _mm512_mul_ps(qc, kc) : _mm512_fmadd_ps(qc, kc, acc[t]);
-    }
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const float* k = key[t];
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+#pragma GCC unroll 16
+    for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), a);
+    acc[t] = a;
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(sum16x16(acc), _mm512_loadu_ps(s)));
 }
