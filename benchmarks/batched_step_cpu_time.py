@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's inferd
 
-import inferd  # noqa: E402
-from inferd.loader import resolve_model_path  # noqa: E402
+import inferd
+from inferd.loader import resolve_model_path
 
 
 def timed(fn) -> tuple[float, float, object]:
@@ -45,7 +45,7 @@ def main() -> None:
     wall, cpu, outs = timed(lambda: llm.generate(prompts, batch, use_tqdm=False))
     tokens = [o.outputs[0].token_ids for o in outs]
     print(json.dumps({
-        "tree": sys.argv[1] if len(sys.argv) > 1 else "", "load": open("/proc/loadavg").read().split()[0],
+        "tree": sys.argv[1] if len(sys.argv) > 1 else "", "load": Path("/proc/loadavg").read_text().split()[0],
         "prefill512_wall_s": min(w for w, _ in prefill), "prefill512_cpu_s": min(c for _, c in prefill),
         "batch32_wall_tok_s": 4096 / wall, "batch32_cpu_tok_s": 4096 / cpu,
         "tokens_md5": hashlib.md5(str(tokens).encode()).hexdigest(),

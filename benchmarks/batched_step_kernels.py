@@ -58,7 +58,7 @@ def gemm_rates(ext, n: int, k: int) -> dict:
         mins = w.mins if w.mins is not None else torch.empty(0)
         for m in (1, 8, 32, 128, 512):
             x = torch.randn(m, k)
-            s = best_seconds(lambda: ext.tiles_linear(x, w.data, w.scales, mins, False))
+            s = best_seconds(lambda x=x, w=w, mins=mins: ext.tiles_linear(x, w.data, w.scales, mins, False))
             rates[f"{fmt} M={m}"] = round(m * n * k / s / 1e9, 1)
     return rates
 
@@ -80,7 +80,8 @@ def attention_ms(ext, outs: dict) -> dict:
         v = torch.randn(blocks + 64, bs, hkv, d, generator=g)
         args = (torch.arange(b) * nq, torch.full((b,), nq), torch.full((b,), ctx), tables, out, d**-0.5)
         name = f"{b} seqs x {nq} queries, context {ctx}"
-        times[name] = round(best_seconds(lambda: ext.paged_attention_short(q, k, v, *args)) * 1e3, 3)
+        call = lambda q=q, k=k, v=v, args=args: ext.paged_attention_short(q, k, v, *args)  # noqa: E731
+        times[name] = round(best_seconds(call) * 1e3, 3)
         outs[name] = out.clone()
     return times
 
