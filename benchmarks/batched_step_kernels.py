@@ -80,7 +80,7 @@ def attention_ms(ext, outs: dict) -> dict:
         v = torch.randn(blocks + 64, bs, hkv, d, generator=g)
         args = (torch.arange(b) * nq, torch.full((b,), nq), torch.full((b,), ctx), tables, out, d**-0.5)
         name = f"{b} seqs x {nq} queries, context {ctx}"
-        call = lambda q=q, k=k, v=v, args=args: ext.paged_attention_short(q, k, v, *args)  # noqa: E731
+        call = lambda q=q, k=k, v=v, args=args: ext.paged_attention_short(q, k, v, *args)
         times[name] = round(best_seconds(call) * 1e3, 3)
         outs[name] = out.clone()
     return times
