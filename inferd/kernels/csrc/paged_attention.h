@@ -202,9 +202,9 @@ inline __m512 sum16x16(const __m512 v[16]) {
 
 // Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16, each
 // lane's products summed in column order (the same bits for a key wherever it falls in a block).
-// One key at a time, its D / 16 products finished before the next key's: the 16 sums stay in
-// registers (column-outer loops left them on the stack, a store and a load per FMA), and each
-// lane's operations are the same ones in the same order either way.
+// Keys outer, columns inner: the 16 sums stay in registers (with columns outer, GCC keeps them on
+// the stack, a store and a load per FMA); each lane's operations and their order are the same
+// either way.
 template <int D>
 inline void scores16(const float* q, const float* const key[16], const float* s, float* out) {
   __m512 acc[16];
@@ -234,7 +234,7 @@ inline const float* fp32_row(const Rows& rows, int64_t slot, int64_t h, int64_t 
   }
 }
 
-// For each of Q queries (q < Q): o[q][g][col, col + 64) = Σ_{j in [ja[q], jend[q])} p[q][g][j - j0] ·
+// For each of Q queries (r < Q): o[r][g][col, col + 64) = Σ_{j in [ja[r], jend[r])} p[r][g][j - j0] ·
 // scale_j · V_j[col, col + 64), for G query heads (o rows d apart). Q = 2 (two queries of a prefill
 // chunk or a verification) reads each V row once for both; every query's sums are the same
 // operations in the same key order as with Q = 1, so its bits do not depend on its neighbour.
