@@ -200,6 +200,42 @@ def test_kernel_row_bits_do_not_depend_on_the_step(hq, hkv, d):
         assert torch.equal(run([p], p + 1, with_other=True)[0], alone), p
 
 
+@pytest.mark.skipif(extension() is None, reason="the C++ kernel cannot be built here")
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (5, 1)])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+def test_chunk_rows_are_their_decodes_bits(hq, hkv, cache):
+    """Every row of a prefill chunk (even and odd lengths: pass 2 takes queries in pairs) is the
+    bits of the same query decoded alone, for 1, 3, 4 and 5 query heads per kv head (4 heads
+    leave the pairs) and plain, 2-byte and int8 caches."""
+    ext = extension()
+    bs, d, ctx = 16, 64, 90
+    g = torch.Generator().manual_seed(5)
+    nb = ctx // bs + 1
+    k_f, v_f = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    table = torch.randperm(nb, generator=g).view(1, -1)
+    qs = torch.randn(ctx, hq, d, generator=g)
+    if cache == "int8":
+        codes = [torch.randint(-127, 128, (nb, bs, hkv, d), generator=g, dtype=torch.int8).view(torch.uint8)
+                 for _ in range(2)]  # fmt: skip
+        scales = [torch.rand(nb, bs, hkv, generator=g) / 64 for _ in range(2)]
+
+    def run(first: int, n: int) -> torch.Tensor:
+        q = qs[first:first + n].contiguous()
+        out = torch.empty_like(q)
+        args = (torch.tensor([0]), torch.tensor([n]), torch.tensor([first + n]), table, out, d**-0.5)
+        if cache == "int8":
+            ext.paged_attention_short_quant(q, codes[0], codes[1], scales[0], scales[1], 0, *args)
+        else:
+            dt = getattr(torch, cache)
+            ext.paged_attention_short(q, k_f.to(dt), v_f.to(dt), *args)
+        return out
+
+    for first, n in ((0, 7), (3, 8), (20, 33), (60, 30)):
+        chunk = run(first, n)
+        for i in range(n):
+            assert torch.equal(chunk[i], run(first + i, 1)[0]), (first, n, i)
+
+
 def test_backend_selection_follows_device_dtype_and_kernels():
     fp32 = attention.select_attention_backend(CPU, torch.float32, 64)
     assert fp32.name == ("cpu" if extension() is not None else "torch")

@@ -202,15 +202,19 @@ inline __m512 sum16x16(const __m512 v[16]) {
 
 // Scores of one query head against 16 keys at once: out[t] = s[t] · q · key[t], t < 16, each
 // lane's products summed in column order (the same bits for a key wherever it falls in a block).
+// Keys outer, columns inner: the 16 sums stay in registers (with columns outer, GCC keeps them on
+// the stack, a store and a load per FMA); each lane's operations and their order are the same
+// either way.
 template <int D>
 inline void scores16(const float* q, const float* const key[16], const float* s, float* out) {
   __m512 acc[16];
-  for (int c = 0; c < D / 16; ++c) {
-    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-    for (int t = 0; t < 16; ++t) {
-      const __m512 kc = _mm512_loadu_ps(key[t] + 16 * c);
-      acc[t] = c == 0 ? _mm512_mul_ps(qc, kc) : _mm512_fmadd_ps(qc, kc, acc[t]);
-    }
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const float* k = key[t];
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+#pragma GCC unroll 16
+    for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), a);
+    acc[t] = a;
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(sum16x16(acc), _mm512_loadu_ps(s)));
 }
@@ -230,42 +234,64 @@ inline const float* fp32_row(const Rows& rows, int64_t slot, int64_t h, int64_t 
   }
 }
 
-// o[g][col, col + 64) = Σ_{j in [ja, jend)} p[g][j - j0] · scale_j · V_j[col, col + 64) for G
-// query heads of one query (o rows d apart).
-template <int G, class Rows>
-inline void values64(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, int64_t ja, int64_t jend,
-                     int64_t col, const float* p, int64_t p_stride, float* o, int64_t d, float* buf) {
-  __m512 acc[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = ja; j < jend; ++j) {
+// For each of Q queries (r < Q): o[r][g][col, col + 64) = Σ_{j in [ja[r], jend[r])} p[r][g][j - j0] ·
+// scale_j · V_j[col, col + 64), for G query heads (o rows d apart). Q = 2 (two queries of a prefill
+// chunk or a verification) reads each V row once for both; every query's sums are the same
+// operations in the same key order as with Q = 1, so its bits do not depend on its neighbour.
+template <int G, int Q, class Rows>
+inline void values64(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, const int64_t* ja,
+                     const int64_t* jend, int64_t col, const float* const* p, int64_t p_stride, float* const* o,
+                     int64_t d, float* buf) {
+  __m512 acc[Q][G][4];
+  int64_t lo = ja[0], hi = jend[0];
+  for (int r = 0; r < Q; ++r) {
+    lo = std::min(lo, ja[r]);
+    hi = std::max(hi, jend[r]);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[r][g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = lo; j < hi; ++j) {
     const int64_t slot = slot_of(j);
-    if (const int64_t a = j + kPrefetchKeys; a < jend && col == 0) vals.prefetch(slot_of(a), h);
+    if (const int64_t a = j + kPrefetchKeys; a < hi && col == 0) vals.prefetch(slot_of(a), h);
     const float vs = vals.scale(slot, h);
     __m512 vc[4];
     vals.load64(slot, h, col, buf, vc);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * p_stride + j - j0] * vs);
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
+    for (int r = 0; r < Q; ++r) {
+      if (Q > 1 && (j < ja[r] || j >= jend[r])) continue;
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[r][g * p_stride + j - j0] * vs);
+        for (int c = 0; c < 4; ++c) acc[r][g][c] = _mm512_fmadd_ps(w, vc[c], acc[r][g][c]);
+      }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + g * d + col + 16 * c, acc[g][c]);
+  for (int r = 0; r < Q; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o[r] + g * d + col + 16 * c, acc[r][g][c]);
 }
 
-// values64 for every 64-column slice and every query head of the group, 4 heads at a time.
-template <class Rows>
-inline void values_fast(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, int64_t ja, int64_t jend,
-                        int64_t group, const float* p, int64_t p_stride, float* o, int64_t d, float* buf) {
+// values64 for every 64-column slice and every query head of the group, 4 heads at a time, for Q
+// queries (1, or 2 while 2 · 3 heads' sums fit in the registers; 4 heads take them one by one).
+template <int Q, class Rows>
+inline void values_fast(const Rows& vals, const Slots& slot_of, int64_t h, int64_t j0, const int64_t* ja,
+                        const int64_t* jend, int64_t group, const float* const* p, int64_t p_stride,
+                        float* const* o, int64_t d, float* buf) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const float* pg = p + g0 * p_stride;
-    float* og = o + g0 * d;
+    const int64_t heads = std::min<int64_t>(4, group - g0);
+    const float* pg[Q];
+    float* og[Q];
+    for (int r = 0; r < Q; ++r) {
+      pg[r] = p[r] + g0 * p_stride;
+      og[r] = o[r] + g0 * d;
+    }
     for (int64_t col = 0; col < d; col += 64) {
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: values64<1>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
-        case 2: values64<2>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
-        case 3: values64<3>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
-        default: values64<4>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+      switch (heads) {
+        case 1: values64<1, Q>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        case 2: values64<2, Q>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        case 3: values64<3, Q>(vals, slot_of, h, j0, ja, jend, col, pg, p_stride, og, d, buf); break;
+        default:
+          for (int r = 0; r < Q; ++r)
+            values64<4, 1>(vals, slot_of, h, j0, ja + r, jend + r, col, pg + r, p_stride, og + r, d, buf);
+          break;
       }
     }
   }
@@ -424,11 +450,21 @@ void attend(const torch::Tensor& q, const Rows& keys, const Rows& vals, int64_t 
       };
 #ifdef __AVX512F__
       if (fast) {
-        for (int64_t i = 0; i < n_q; ++i) {
-          const int64_t pos = first_pos + i;
-          const int64_t ja = std::max(j0, first_key(pos)), jend = std::min(j1, pos + 1);  // keys query i sees
-          values_fast(vals, slot_of, h, j0, ja, std::max(ja, jend), group, scores.data() + i * group * span, span,
-                      o + i * group * d, d, buf.data());
+        // Queries in pairs (the last alone): each V row read once for both.
+        for (int64_t i = 0; i < n_q; i += 2) {
+          const int64_t n = std::min<int64_t>(2, n_q - i);
+          int64_t ja[2], jend[2];
+          const float* p[2];
+          float* orow[2];
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t pos = first_pos + i + r;
+            ja[r] = std::max(j0, first_key(pos));  // keys query i + r sees: [ja, jend)
+            jend[r] = std::max(ja[r], std::min(j1, pos + 1));
+            p[r] = scores.data() + (i + r) * group * span;
+            orow[r] = o + (i + r) * group * d;
+          }
+          if (n == 2) values_fast<2>(vals, slot_of, h, j0, ja, jend, group, p, span, orow, d, buf.data());
+          else values_fast<1>(vals, slot_of, h, j0, ja, jend, group, p, span, orow, d, buf.data());
         }
         finish_single();
         continue;
