@@ -144,9 +144,17 @@ class EngineCore:
             self.spec = SpecDecoder.build(self._proposer_context(), self.runner, kv,
                                           config.scheduler.max_num_seqs, self.stats)  # fmt: skip
         self._draft_loaded = None  # the proposer holds what it kept of it
+        if self.device.type == "cuda":
+            # Decode-only steps padded to buckets over persistent inputs, replayed as CUDA graphs
+            # unless --enforce-eager (inferd/engine/cuda_graphs.py): after the plan and any
+            # calibration, with no block in use.
+            self.runner.enable_decode_buckets(sched.max_num_seqs, self.max_model_len,
+                                              cuda_graphs=not config.enforce_eager)  # fmt: skip
         _warn_without_cpu_kernels(self.device)
         if verbose:
             logger.info("memory plan: %s", self.memory_plan.describe())
+            if self.runner.graphs is not None:
+                logger.info("%s", self.runner.graphs.describe())
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s; %s)", num_blocks,
