@@ -31,6 +31,7 @@ from inferd.engine.model_runner import ModelRunner, StepBatch
 from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.request import Request, RequestError
 from inferd.engine.stats import EngineStats, StatsLogger
+from inferd.host_to_device import upload
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
@@ -393,7 +394,7 @@ class EngineCore:
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:  # verification rows are in the batch too
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[upload(rows, logits.device)]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         parents: list[Sequence | None] = []

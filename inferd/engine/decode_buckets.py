@@ -68,6 +68,7 @@ class DecodeBuckets:
         host_np = self.host.numpy()  # the pinned buffer's memory, written through numpy
         self._host_np = {b: self._bucket_views(host_np, b) for b in sizes}
         self._dirty = [0] * largest  # per row: the table entries last written
+        self.uploads = 0  # host→device copies made (one per step)
         self.metas = {b: self._meta(b, kernel) for b in sizes}
         self.fill(largest, [], [])  # every row padding until a step fills it
 
@@ -117,3 +118,4 @@ class DecodeBuckets:
             dirty[i] = used
         end = 4 * self.largest + b * self.width
         self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
+        self.uploads += 1

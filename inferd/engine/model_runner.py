@@ -32,6 +32,7 @@ import torch
 from inferd.config import ModelConfig
 from inferd.engine.decode_buckets import DecodeBuckets, bucket_for, bucket_sizes
 from inferd.engine.readbacks import HostReadbacks
+from inferd.host_to_device import upload
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
@@ -243,8 +244,8 @@ class ModelRunner:
         return logits, hidden, batch
 
     def as_tensor(self, data: list[int]) -> torch.Tensor:
-        """Indices (slots, rows, blocks) as an int64 tensor on the model's device."""
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+        """Indices (slots, rows, blocks) as an int64 tensor on the model's device (no host sync)."""
+        return upload(data, self.device, torch.long)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         bs = self.block_size
