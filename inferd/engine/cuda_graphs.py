@@ -11,15 +11,28 @@ tables' width, both fixed per bucket).
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from inferd.engine.decode_buckets import DecodeBuckets
+from inferd.slow_paths import warn_slow_path
 
-logger = logging.getLogger(__name__)
+
+def capture_decode_graphs(
+    buckets: DecodeBuckets,
+    forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+) -> DecodeGraphs | None:  # fmt: skip
+    """Every bucket's graph, or None (decode steps stay eager, with one warning) where capture
+    fails: something in the forward read the device from the host."""
+    try:
+        return DecodeGraphs(buckets, forward, device)
+    except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
+        torch.cuda.synchronize(device)
+        warn_slow_path("cuda-graphs-capture", "CUDA graph capture failed (%s): decode steps run "
+                       "eagerly", str(e).splitlines()[0][:200])  # fmt: skip
+        return None
 
 
 class DecodeGraphs:

@@ -37,6 +37,7 @@ from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
+from inferd.layers.moe import SparseMoE
 from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.layers.weight_arena import gather_weights
 from inferd.models.interface import CausalLM
@@ -198,6 +199,12 @@ class ModelRunner:
         block, so no block may be in use."""
         if self.attention_kernel is None or self.layout.num_groups != 1:
             return
+        if any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            # Expert routing sizes each expert's rows on the host (no graph), and padded rows
+            # would count in the experts' load statistics.
+            warn_slow_path("decode-buckets-moe", "mixture-of-experts models decode eagerly, "
+                           "without CUDA graphs")  # fmt: skip
+            return
         sizes = bucket_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // self.block_size)
         self.buckets = DecodeBuckets(sizes, max_blocks, self.block_size, self.num_blocks,
@@ -205,10 +212,10 @@ class ModelRunner:
         self.release_kv_pages()  # the pool again, with the scratch block
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            from inferd.engine.cuda_graphs import DecodeGraphs
+            from inferd.engine.cuda_graphs import capture_decode_graphs
 
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.buckets, self._bucket_forward, self.device)
+                self.graphs = capture_decode_graphs(self.buckets, self._bucket_forward, self.device)
 
     def _bucket_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bucket `b`'s forward over its persistent inputs: (logits [b, V], hidden [b, H])."""

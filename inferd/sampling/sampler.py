@@ -14,10 +14,9 @@ import torch
 from inferd.engine.readbacks import HostReadbacks
 from inferd.host_to_device import upload
 from inferd.kernels.quant_gemm import extension as cpu_kernels
-from inferd.scheduler.sequence import Sequence
 from inferd.sampling.processors import apply_processors
+from inferd.scheduler.sequence import Sequence
 from inferd.structured.manager import apply_bitmask
-
 
 # A sampled token's (logprob, rank, [(token, logprob)] of the top ones).
 TokenLogprob = tuple[float, int, list[tuple[int, float]]]
