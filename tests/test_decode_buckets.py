@@ -37,8 +37,12 @@ def test_bucket_sizes():
     assert bucket_for(9, (1, 2, 4, 8)) is None
 
 
-def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+def tokens(llm: LLM, prompts: list[list[int]], cached: list[int] | None = None) -> list[list[int]]:
+    """Greedy tokens of `prompts`; each one's prefix-cache hit appended to `cached`."""
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    if cached is not None:
+        cached.extend(o.metrics.num_cached_tokens for o in outs)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_bucketed_greedy_equals_plain_batched_and_with_prefix_hits(llms):
@@ -46,9 +50,11 @@ def test_bucketed_greedy_equals_plain_batched_and_with_prefix_hits(llms):
     shared = list(range(3, 60))  # past a block: the second round hits the prefix cache
     prompts = [shared + [7, 8], [5, 6, 7], shared + [9], list(range(20, 45))]
     before = bucketed.engine.runner.bucket_steps
+    cached: list[int] = []
     for _ in range(2):
         for batch in (prompts[:1], prompts[:3], prompts):  # buckets 1, 4 (one padded row), 4
-            assert tokens(bucketed, batch) == tokens(plain, batch)
+            assert tokens(bucketed, batch, cached) == tokens(plain, batch)
+    assert max(cached) >= 48  # the shared prefix's blocks came from the cache
     assert bucketed.engine.runner.bucket_steps - before >= 6 * 9  # every decode step bucketed
     assert plain.engine.runner.bucket_steps == 0
     bucketed.engine.check_no_leaks()
