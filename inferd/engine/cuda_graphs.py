@@ -54,7 +54,8 @@ class DecodeGraphs:
             side = torch.cuda.Stream(device)  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                forward(b)
+                for _ in range(2):  # lazy initialisations (cuBLAS workspaces, Triton builds)
+                    forward(b)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
