@@ -9,12 +9,13 @@ a CUDA graph captured for the bucket replays (inferd/engine/cuda_graphs.py); on 
 path runs eagerly.
 
 Padded rows (real rows [0, n), padding [n, B)) decode token 0 at position 0 into a scratch slot
-that no sequence owns (the pool's extra block, `ModelRunner.scratch_block`) and attend to that
-one key only; their logits are dropped. A row's arithmetic depends on that row alone, so the real
+that no sequence owns (`scratch_block`: one block past those the KV manager hands out) and attend
+to that one key only; their logits are dropped. A row's arithmetic depends on that row alone, so the real
 rows' tokens equal the unpadded step's.
 
 The staging buffer is rewritten by the next step only after this step's sampled tokens were read
-back (the step's one readback), by which time its upload has completed.
+back (the step's one readback), by which time its upload has completed. Table entries past a
+row's context are never read (the kernels stop at its context length); they are zeroed anyway.
 """
 
 from __future__ import annotations
