@@ -14,9 +14,10 @@ Sections, each skipped with a line when the time budget is spent or what it need
   speculation   the same prompts with n-gram speculation: tokens equal plain greedy
   memory_plan   the engine's plan after load (weights, activations, KV pool) against free memory
   step_time     an 8B-shaped bf16 Llama built in memory on the device: decode step time at batch
-                1/8/32 against the weight-bytes bandwidth limit, CUDA graphs against eager
+                1/8/32 against the weight-bytes bandwidth limit, the engine's CUDA graphs against
+                enforce_eager=True
   syncs         host syncs (CUDA sync debug mode), device->host readbacks and kernel launches of
-                one decode step
+                one decode step as the engine runs it by default (a CUDA graph replay)
   cuda_graphs   one decode step's forward of that model, eager against a CUDA graph replay of it
 
 Output: progress lines on stdout; `summary.json` and `summary.md` in $OUT (default ./gpu_check_out),
@@ -404,20 +405,27 @@ def memory_plan(device: torch.device, quick: bool, work: Path) -> dict[str, Any]
 
 
 def step_time(device: torch.device, quick: bool, work: Path, bandwidth_gbs: float | None) -> dict[str, Any]:
+    """The real engine's decode step at batch 1/8/32, with CUDA graphs (the default on a GPU)
+    and with `enforce_eager=True`; on the CPU both run eagerly."""
     batches = (1, 4) if quick else (1, 8, 32)
     steps = 3 if quick else 20
     modes = {"default": {}}
     if engine_args_known("enforce_eager"):
-        modes["eager"] = {"enforce_eager": True}
+        modes = {"cuda_graphs": {}, "eager": {"enforce_eager": True}}
     result: dict[str, Any] = {}
     for mode, extra in modes.items():
         engine, weight_bytes = build_8b_engine(device, quick, work, kv_cache_memory=4 << 30 if not quick else 64 << 20, **extra)
+        graphs = getattr(engine.runner, "graphs", None)
+        if mode != "eager":
+            result["graphs"] = graphs.describe() if graphs is not None else "none captured"
         limit_ms = weight_bytes / (bandwidth_gbs * 1e9) * 1e3 if bandwidth_gbs else None
         for b in batches:
+            bucketed = getattr(engine.runner, "bucket_steps", 0)
             times = decode_step_times(engine, b, steps)
             ms = statistics.median(times) * 1e3
             entry = {"median_ms": round(ms, 3), "min_ms": round(min(times) * 1e3, 3),
-                     "tokens_per_s": round(b / ms * 1e3, 1)}  # fmt: skip
+                     "tokens_per_s": round(b / ms * 1e3, 1),
+                     "bucketed_steps": getattr(engine.runner, "bucket_steps", 0) - bucketed}  # fmt: skip
             if limit_ms:
                 entry["weight_bandwidth_limit_ms"] = round(limit_ms, 3)
                 entry["share_of_limit"] = round(limit_ms / ms, 3)
@@ -426,20 +434,25 @@ def step_time(device: torch.device, quick: bool, work: Path, bandwidth_gbs: floa
         release(device)
     if "eager" not in modes:
         result["cuda_graphs"] = "not compared: this tree has no --enforce-eager"
+    else:
+        for b in batches:
+            g, e = result[f"cuda_graphs batch {b}"], result[f"eager batch {b}"]
+            result[f"speedup batch {b}"] = round(e["median_ms"] / g["median_ms"], 2)
     return result
 
 
 def graph_vs_eager(device: torch.device, quick: bool, work: Path) -> dict[str, Any]:
     """One decode step's forward (the model and its logits, no sampling) at a fixed batch and
     context, eager against a CUDA graph captured of the very same step and replayed: what
-    capturing decode steps would save (the engine does not capture yet). Replayed logits must
-    equal eager ones."""
+    capturing saves, measured apart from the engine's own graphs (the engine is built with
+    `enforce_eager=True` where it knows the flag). Replayed logits must equal eager ones."""
     from inferd.kv.kv_cache_manager import KVCacheManager
     from inferd.sampling.params import SamplingParams
     from inferd.scheduler.scheduler import SchedulerOutput
     from inferd.scheduler.sequence import Sequence
 
-    engine, _ = build_8b_engine(device, quick, work, kv_cache_memory=4 << 30 if not quick else 64 << 20)
+    eager = {"enforce_eager": True} if engine_args_known("enforce_eager") else {}
+    engine, _ = build_8b_engine(device, quick, work, kv_cache_memory=4 << 30 if not quick else 64 << 20, **eager)
     runner, model = engine.runner, engine.runner.model
     context, iters = (64, 3) if quick else (512, 20)
     result: dict[str, Any] = {}
@@ -501,9 +514,12 @@ def graph_vs_eager(device: torch.device, quick: bool, work: Path) -> dict[str, A
 
 
 def syncs_per_step(device: torch.device, quick: bool, work: Path) -> dict[str, Any]:
+    """One decode step of 4 sequences as the engine runs it by default (a CUDA graph replay on a
+    GPU): host syncs, readbacks, kernels and launch calls."""
     engine, _ = build_8b_engine(device, quick, work, kv_cache_memory=1 << 30 if not quick else 64 << 20)
     decode_step_times(engine, 4, 2)  # warm up: first-use allocations and captures
-    result: dict[str, Any] = {}
+    graphs = getattr(engine.runner, "graphs", None)
+    result: dict[str, Any] = {"graphs": graphs.describe() if graphs is not None else "none captured"}
     counter = getattr(engine.runner, "readbacks", None)
     if counter is not None:
         before = counter.count
@@ -524,6 +540,7 @@ def syncs_per_step(device: torch.device, quick: bool, work: Path) -> dict[str, A
         import warnings
 
         synchronize(device)
+        bucketed = getattr(engine.runner, "bucket_steps", 0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -531,9 +548,13 @@ def syncs_per_step(device: torch.device, quick: bool, work: Path) -> dict[str, A
                 engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        result["step_in_a_bucket"] = getattr(engine.runner, "bucket_steps", 0) - bucketed == 1
         syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
         result["host_syncs_per_decode_step"] = len(syncs)
         result["sync_kinds"] = sorted(set(syncs))[:5]
+        # Where each one was called from (the Python line the warning points at).
+        result["sync_sites"] = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                       if "synchroniz" in str(w.message)})[:12]  # fmt: skip
         try:
             from torch.profiler import ProfilerActivity, profile
 
@@ -542,7 +563,7 @@ def syncs_per_step(device: torch.device, quick: bool, work: Path) -> dict[str, A
                 synchronize(device)
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
             result["kernels_per_decode_step"] = len(kernels)
-            launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")]
+            launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")]
             result["kernel_launch_calls_per_decode_step"] = len(launches)
         except Exception as e:  # the profiler's API moves between torch versions
             result["kernels_per_decode_step"] = f"profiler failed: {type(e).__name__}: {e}"

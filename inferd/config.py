@@ -429,6 +429,8 @@ class EngineConfig:
     quantization: str = "auto"  # one of QUANTIZATION_METHODS
     quantization_group_size: int = 32  # one of QUANTIZATION_GROUP_SIZES
     seed: int = 0
+    # CUDA: decode steps run eagerly, no CUDA graph captured (vLLM's --enforce-eager).
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Seconds between periodic stats log lines (0 disables).

@@ -117,6 +117,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add("--quantization-group-size", "int4 / fp8 weights per scale (and min)" + shown, type=int,
         choices=QUANTIZATION_GROUP_SIZES)
     add("--seed", "seed of the generator that samples requests without a seed" + shown, type=int)
+    add("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying the CUDA graph "
+        "captured per batch-size bucket (saves the graphs' memory and start-up capture; the CPU "
+        "is always eager)", action="store_true")
     add("--block-size", "tokens per KV block" + shown, type=int)
     add("--kv-cache-memory", "KV cache size in bytes (e.g. 2GiB); default: a share of free "
         "memory", type=parse_bytes)

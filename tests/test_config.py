@@ -75,7 +75,7 @@ def test_llm_builds_the_cli_config_with_stats_lines_off() -> None:
 
 def test_flags_and_llm_keywords_name_the_same_settings() -> None:
     argv = ["-m", "x.gguf", "--dtype", "float32", "--device", "cpu", "-q", "int4",
-            "--quantization-group-size", "64", "--seed", "5", "--block-size", "32",
+            "--quantization-group-size", "64", "--seed", "5", "--enforce-eager", "--block-size", "32",
             "--kv-cache-memory", "64MiB",
             "--kv-cache-dtype", "int8", "--kv-cache-prefault", "0", "--gpu-memory-utilization",
             "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "512", "--max-model-len",
@@ -89,7 +89,7 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
     llm = LLM.engine_config(
         "x.gguf", dtype="float32", device="cpu", quantization="int4", quantization_group_size=64,
-        seed=5, block_size=32, kv_cache_memory=64 << 20, kv_cache_dtype="int8", kv_cache_prefault=0,
+        seed=5, enforce_eager=True, block_size=32, kv_cache_memory=64 << 20, kv_cache_dtype="int8", kv_cache_prefault=0,
         gpu_memory_utilization=0.5, max_num_seqs=7, max_num_batched_tokens=512, max_model_len=300,
         long_prefill_token_threshold=64, prefill_chunk_with_decodes=0, enable_prefix_caching=False,
         max_step_latency_factor=2.0, ttft_slo_ms=500.0,

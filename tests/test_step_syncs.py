@@ -59,3 +59,22 @@ def test_verification_reads_back_once(tiny_models):
         counts.append(engine.runner.readbacks.count - before)
     assert engine.stats.spec_draft_tokens > 0
     assert counts == [1] * len(counts)
+
+
+def test_bucketed_decode_step_uploads_once_and_reads_back_once(tiny_models):
+    """Decode-only steps in buckets (inferd/engine/decode_buckets.py, as CUDA runs them): the
+    step's metadata goes up in one copy, its tokens come back in one readback."""
+    llm = LLM(str(tiny_models["llama-q8_0.gguf"].path), dtype="float32", device="cpu", verbose=False,
+              kv_cache_memory=1 << 20, max_num_seqs=4, kv_cache_prefault=0)  # fmt: skip
+    engine = llm.engine
+    engine.runner.enable_decode_buckets(4, engine.max_model_len, cuda_graphs=False)
+    buckets = engine.runner.buckets
+    for i, p in enumerate(PARAMS[:3]):
+        engine.add_request(f"u{i}", [1, 5, 9, 13, 17, 21], p)
+    engine.step()  # the prefills
+    counts = []
+    while engine.has_unfinished_requests():
+        reads, uploads = engine.runner.readbacks.count, buckets.uploads
+        engine.step()
+        counts.append((engine.runner.readbacks.count - reads, buckets.uploads - uploads))
+    assert counts == [(1, 1)] * 11

@@ -34,6 +34,7 @@ from inferd.engine.model_runner import ModelRunner, StepBatch
 from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.request import Request, RequestError
 from inferd.engine.stats import EngineStats, StatsLogger
+from inferd.host_to_device import upload
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
@@ -174,9 +175,17 @@ class EngineCore:
             self.spec = SpecDecoder.build(self._proposer_context(), self.runner, kv,
                                           config.scheduler.max_num_seqs, self.stats)  # fmt: skip
         self._draft_loaded = None  # the proposer holds what it kept of it
+        if self.device.type == "cuda" and self.tp_executor is None:
+            # Decode-only steps padded to buckets over persistent inputs, replayed as CUDA graphs
+            # unless --enforce-eager (inferd/engine/cuda_graphs.py): after the plan and any
+            # calibration, with no block in use.
+            self.runner.enable_decode_buckets(sched.max_num_seqs, self.max_model_len,
+                                              cuda_graphs=not config.enforce_eager)  # fmt: skip
         _warn_without_cpu_kernels(self.device)
         if verbose:
             logger.info("memory plan: %s", self.memory_plan.describe())
+            if self.runner.graphs is not None:
+                logger.info("%s", self.runner.graphs.describe())
             logger.info("weights: %.1f MiB resident (--quantization %s: %s)", self.weight_bytes / 2**20,
                         config.quantization, describe_quantization(model))  # fmt: skip
             logger.info("KV cache: %d blocks, %d tokens (%.1f MiB, %s; %s)", num_blocks,
@@ -434,7 +443,7 @@ class EngineCore:
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:  # verification rows are in the batch too
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[upload(rows, logits.device)]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         parents: list[Sequence | None] = []

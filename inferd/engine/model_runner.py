@@ -31,12 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.engine.decode_buckets import DecodeBuckets, bucket_for, bucket_sizes
 from inferd.engine.readbacks import HostReadbacks
 from inferd.distributed.group import TPGroup
+from inferd.host_to_device import upload
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
 from inferd.layers.attention import AttentionMetadata, PaddedGroup, PrefillSlice, shared_prefix
+from inferd.layers.moe import SparseMoE
 from inferd.layers.quantized_linear import pack_quantized_weights
 from inferd.layers.weight_arena import gather_weights
 from inferd.models.interface import CausalLM
@@ -162,6 +165,10 @@ class ModelRunner:
         self.kv_prefaulter: KVPrefaulter | None = None
         # Device→host reads of the step (the sampler's and the verifier's): one per decode step.
         self.readbacks = HostReadbacks()
+        # Decode-only steps padded to buckets, and their CUDA graphs (`enable_decode_buckets`).
+        self.buckets: DecodeBuckets | None = None
+        self.graphs = None
+        self.bucket_steps = 0  # steps run in a bucket (graph replays or eager)
         self._allocate_kv()
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
@@ -180,7 +187,9 @@ class ModelRunner:
 
     def _allocate_kv(self) -> None:
         storage = KVCache.storage_dtype(self.kv_cache_dtype, self.dtype)  # --kv-cache-dtype: kv/kv_cache.py
-        data = allocate_kv_cache(self.model.config, self.num_blocks, self.block_size, storage, self.device,
+        # With decode buckets, one block past the KV manager's: the padded rows' scratch block.
+        physical = self.num_blocks + (self.buckets is not None)
+        data = allocate_kv_cache(self.model.config, physical, self.block_size, storage, self.device,
                                  self.layout.group_size)  # fmt: skip
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
         self.kv_caches = self.kv_cache.layers(self.layout.layer_slot)
@@ -196,7 +205,10 @@ class ModelRunner:
 
     def resize_kv(self, num_blocks: int) -> None:
         """A pool of `num_blocks` in place of the current one (the start-up plan replaces the
-        profiling pool); the caller guarantees no block is in use."""
+        profiling pool); the caller guarantees no block is in use. Before
+        `enable_decode_buckets`: the buckets' scratch block is the pool's last."""
+        if self.buckets is not None:
+            raise RuntimeError("resize the KV pool before enabling decode buckets")
         self.num_blocks = num_blocks
         self.release_kv_pages()
 
@@ -204,13 +216,76 @@ class ModelRunner:
         """Replace the KV pool with fresh memory (lazily zeroed where `allocate_kv_cache` maps it);
         the caller guarantees no block is in use. Start-up calibration writes and reads much of
         the pool with dummy sequences; a fresh pool keeps serving from starting on pages in that
-        state (decoding ran measurably slower on them)."""
+        state (decoding ran measurably slower on them). With CUDA graphs captured, the pool is
+        zeroed in place instead: the graphs hold its address."""
+        if self.graphs is not None:
+            self.kv_cache.data.zero_()
+            return
         self.kv_cache = self.kv_caches = None  # drop the old pool before mapping the new one
         self._allocate_kv()
 
+    def enable_decode_buckets(self, max_num_seqs: int, max_model_len: int, cuda_graphs: bool) -> None:
+        """Run decode-only steps padded to bucket sizes over persistent inputs
+        (inferd/engine/decode_buckets.py) and, with `cuda_graphs` on a CUDA device, replay a graph
+        captured per bucket (inferd/engine/cuda_graphs.py). Needs the backend's paged kernel and
+        one KV group (elsewhere steps stay as planned); reallocates the pool with its scratch
+        block, so no block may be in use."""
+        if self.attention_kernel is None or self.layout.num_groups != 1:
+            return
+        if any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            # Expert routing sizes each expert's rows on the host (no graph), and padded rows
+            # would count in the experts' load statistics.
+            warn_slow_path("decode-buckets-moe", "mixture-of-experts models decode eagerly, "
+                           "without CUDA graphs")  # fmt: skip
+            return
+        sizes = bucket_sizes(max_num_seqs)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buckets = DecodeBuckets(sizes, max_blocks, self.block_size, self.num_blocks,
+                                     self.attention_kernel, self.device)  # fmt: skip
+        self.release_kv_pages()  # the pool again, with the scratch block
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from inferd.engine.cuda_graphs import capture_decode_graphs
+
+            with torch.inference_mode():
+                self.graphs = capture_decode_graphs(self.buckets, self._bucket_forward, self.device)
+
+    def _bucket_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket `b`'s forward over its persistent inputs: (logits [b, V], hidden [b, H])."""
+        ids, pos, meta = self.buckets.inputs(b)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        return self.model.compute_logits(hidden), hidden
+
+    def decode_bucket(self, out: SchedulerOutput, all_hidden: bool) -> int | None:
+        """The bucket a decode-only step runs in: every sequence decodes one token (no drafts to
+        verify, no tree leaves, no prefill) and their number fits a bucket; else None."""
+        if self.buckets is None or all_hidden:
+            return None
+        for seq, n in out.scheduled:
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.spec.leaves:
+                return None
+        return bucket_for(len(out.scheduled), self.buckets.sizes)
+
+    def _execute_bucket(self, out: SchedulerOutput, b: int) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """A decode-only step in bucket `b`: the real rows' logits and hidden states, padding's
+        dropped."""
+        seqs = [seq for seq, _ in out.scheduled]
+        n = len(seqs)
+        self.bucket_steps += 1
+        self.buckets.fill(b, seqs, [tables[0] for tables in out.block_tables])
+        ids, pos, meta = self.buckets.inputs(b)
+        if self.graphs is not None and b in self.graphs:
+            logits, hidden = self.graphs.replay(b)
+            logits, hidden = logits[:n], hidden[:n]
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)[:n]
+            logits = self.model.compute_logits(hidden)
+        batch = StepBatch(ids[:n], pos[:n], meta, list(range(n)), seqs, [1] * n)
+        return logits, hidden, batch
+
     def as_tensor(self, data: list[int]) -> torch.Tensor:
-        """Indices (slots, rows, blocks) as an int64 tensor on the model's device."""
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+        """Indices (slots, rows, blocks) as an int64 tensor on the model's device (no host sync)."""
+        return upload(data, self.device, torch.long)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         return self.build(self.plan(out))
@@ -374,18 +449,9 @@ class ModelRunner:
             for g, t in enumerate(tables)
         ]
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
-        """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
-        final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
-        plan = self.plan(out)
-        if self.tp is not None:  # the other ranks run the same step on their shards
-            self.tp.broadcast_object(plan.for_workers())
-        return self.run(plan, all_hidden)
-
-    @torch.inference_mode()
-    def run(self, plan: StepPlan, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
-        """`execute` from the step's plan (a tensor-parallel worker's entry: it has no scheduler)."""
+    def _copy_kv(self, plan: StepPlan) -> None:
+        """What the step moves in the KV pool before its forward (the prefault's high water,
+        accepted tree leaves, copy-on-write blocks)."""
         if self.kv_prefaulter is not None:
             self.kv_prefaulter.advance(plan.kv_high_water)
         if plan.slot_copies:  # accepted draft-tree leaves, out of the last step's scratch blocks
@@ -394,6 +460,25 @@ class ModelRunner:
         if plan.block_copies:  # copy-on-write of shared blocks
             src, dst = zip(*plan.block_copies)
             self.kv_cache.copy_blocks(self.as_tensor(list(src)), self.as_tensor(list(dst)))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
+        final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
+        plan = self.plan(out)
+        # A decode-only step in a bucket (CUDA graphs; never under tensor parallelism).
+        bucket = self.decode_bucket(out, all_hidden) if self.tp is None else None
+        if bucket is not None:
+            self._copy_kv(plan)
+            return self._execute_bucket(out, bucket)
+        if self.tp is not None:  # the other ranks run the same step on their shards
+            self.tp.broadcast_object(plan.for_workers())
+        return self.run(plan, all_hidden)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+        """`execute` from the step's plan (a tensor-parallel worker's entry: it has no scheduler)."""
+        self._copy_kv(plan)
         batch = self.build(plan)
         if batch.scratch_copies is not None and batch.scratch_copies[0]:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))

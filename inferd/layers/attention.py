@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from inferd.host_to_device import upload
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import LayerKV, QuantizedKV
 from inferd.layers.attention_plan import (
@@ -429,8 +430,7 @@ class TritonAttention(TorchAttention):
             return super().context_chunk(q, k_cache, v_cache, p, out, scale, window, softcap)
         n = p.end - p.start
         if p.kernel_entry is None:
-            p.kernel_entry = torch.tensor([0, n, p.context_len], dtype=torch.long).to(
-                q.device, non_blocking=True)  # fmt: skip
+            p.kernel_entry = upload([0, n, p.context_len], q.device, torch.long)
         e = p.kernel_entry
         k_cache, v_cache, quant = _pool_arguments(k_cache, v_cache)
         self.kernel.paged_attention_short(

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from inferd.engine.readbacks import HostReadbacks
+from inferd.host_to_device import upload
 from inferd.kernels.quant_gemm import extension as cpu_kernels
-from inferd.scheduler.sequence import Sequence
 from inferd.sampling.processors import apply_processors
+from inferd.scheduler.sequence import Sequence
 from inferd.structured.manager import apply_bitmask
-
 
 # A sampled token's (logprob, rank, [(token, logprob)] of the top ones).
 TokenLogprob = tuple[float, int, list[tuple[int, float]]]
@@ -98,7 +98,7 @@ class Sampler:
         if logits.shape[-1] > self.vocab_size:  # padded vocab rows never get sampled
             logits = logits[:, : self.vocab_size]
         if rows != list(range(len(rows))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[upload(rows, logits.device)]
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
@@ -108,7 +108,9 @@ class Sampler:
         tokens = argmax_rows(logits)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
-            tokens[random_rows] = self._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
+            index = upload(random_rows, logits.device)
+            drawn = self._sample_random(logits.index_select(0, index), [seqs[i] for i in random_rows])
+            tokens.index_copy_(0, index, drawn.to(tokens.dtype))
         token_list = self.readbacks.to_host(tokens)
 
         logprob_out: list[TokenLogprob | None] = [None] * len(seqs)
@@ -128,15 +130,15 @@ def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
     run is decided from the parameters on the host: no readback."""
     dev = logits.device
     params = [s.params for s in seqs]
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    temps = upload([p.temperature for p in params], dev, logits.dtype)
     logits = logits / temps.unsqueeze(1)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        top_k = upload([p.top_k for p in params], dev)
+        top_p = upload([p.top_p for p in params], dev, logits.dtype)
         logits = _filter_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+        min_p = upload([p.min_p for p in params], dev, probs.dtype)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)  # a distribution again (verification needs it)
@@ -155,7 +157,7 @@ def draw(probs: torch.Tensor, seqs: list) -> torch.Tensor:
     u = torch.empty(len(seqs), dtype=torch.float64, device=dev)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
+        u.index_copy_(0, upload(unseeded, dev), torch.rand(len(unseeded), dtype=torch.float64, device=dev))
     for i, s in enumerate(seqs):
         if s.generator is not None:
             u[i : i + 1] = torch.rand(1, generator=s.generator, dtype=torch.float64, device=s.generator.device)
