@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import orjson
 
 logger = logging.getLogger("inferd.kv")
 
@@ -53,7 +52,10 @@ class ZmqKVEventPublisher:
     def __init__(
         self, endpoint: str, block_size: int, topic: str = "", max_queue: int = 10_000
     ) -> None:
+        import orjson  # the publisher's thread encodes; engines without events never import it
         import zmq
+
+        self._dumps = orjson.dumps
 
         self.block_size = block_size
         self.topic = topic.encode()
@@ -101,7 +103,7 @@ class ZmqKVEventPublisher:
                 payload = {"ts": time.time(), "block_size": self.block_size, "events": events}
                 try:
                     self._socket.send_multipart(
-                        [self.topic, seq.to_bytes(8, "big"), orjson.dumps(payload)]
+                        [self.topic, seq.to_bytes(8, "big"), self._dumps(payload)]
                     )
                     seq += 1
                 except Exception:
@@ -130,6 +132,8 @@ def decode_batch(frames: Sequence[bytes]) -> tuple[int, dict]:
         raise KVEventFormatError(
             f"a KV event message has 3 frames [topic, seq, payload], got {len(frames)}"
         )
+    import orjson
+
     payload = orjson.loads(frames[2])
     if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
         raise KVEventFormatError("a KV event payload is a JSON object with an `events` list")
