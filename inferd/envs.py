@@ -167,6 +167,12 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *ENV_VARS])
 
 
+def settings() -> dict[str, str]:
+    """Every INFERD_* variable set in this process, as set: what a process started elsewhere (a
+    Ray actor) needs to behave as this one."""
+    return {k: v for k, v in os.environ.items() if k.startswith("INFERD_")}
+
+
 def describe() -> str:
     """One Markdown table row per variable: name, kind, default, meaning."""
     rows = ["| variable | kind | default | meaning |", "|---|---|---|---|"]

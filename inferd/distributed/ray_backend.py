@@ -33,6 +33,7 @@ from typing import Any
 import cloudpickle
 
 import inferd
+from inferd import envs
 from inferd.engine.async_engine import ThreadBackend
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_loop import Command, Exited, Loaded, Message
@@ -213,7 +214,7 @@ class RayBackend:
 def _runtime_env() -> dict[str, Any]:
     """The actors' environment: the front end's INFERD_* settings, and its inferd first on the
     path (where that path exists on the actor's node; elsewhere the node's own install)."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("INFERD_")}
+    env = envs.settings()
     root = str(Path(inferd.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {"env_vars": env}
