@@ -47,6 +47,9 @@ class DecodeGraphs:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(device)
+        # torch.cuda.graph empties the allocator's cache as each capture begins: empty it first,
+        # so the growth of reserved memory below is the graphs' own pool.
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         started = time.perf_counter()
         for b in sorted(buckets.sizes, reverse=True):
