@@ -136,7 +136,7 @@ def _rewrite_gguf(src, dst, fields=None, add=None) -> None:
                         field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
     for name, value in fields.items():
         if value is not None:
-            w.add_uint32(name, value)
+            {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](name, value)
     for t in reader.tensors:
         arr = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
         (add or (lambda w, name, arr: w.add_tensor(name, arr)))(w, t.name, arr)
@@ -203,6 +203,34 @@ def test_deepseek_v2_gguf_inferd_cannot_load_is_refused(moe_models, tmp_path, fi
     _rewrite_gguf(gguf_path, bad, fields, add=lambda w, name, arr: name == dropped or w.add_tensor(name, arr))
     with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_model(str(bad))
+
+
+def test_deepseek_v2_gguf_yarn_scales_attention_as_transformers(moe_models, tmp_path):
+    """YaRN in a deepseek2 GGUF (yarn_log_multiplier = 0.1 x mscale_all_dim) is the rope and
+    attention scale of the HF config it was converted from."""
+    from inferd.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    _, hf_dir, gguf_path, *_ = moe_models["deepseek_v2"]
+    yarn = tmp_path / "yarn.gguf"
+    _rewrite_gguf(gguf_path, yarn, {"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 4.0,
+                                    "deepseek2.rope.scaling.original_context_length": 64,
+                                    "deepseek2.rope.scaling.yarn_log_multiplier": 0.0707})  # fmt: skip
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in hf_dir.iterdir():
+        (hf / f.name).symlink_to(f)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf / "config.json").unlink()
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
+    (hf / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {**cfg["rope_parameters"], **scaling}}))
+    ours, theirs = load_model(str(yarn)).config, load_model(str(hf)).config
+    assert ours.rope_scaling["mscale"] == pytest.approx(0.707) == ours.rope_scaling["mscale_all_dim"]
+    for key in ("rope_type", "factor", "original_max_position_embeddings"):
+        assert ours.rope_scaling[key] == theirs.rope_scaling[key]
+    scale = DeepseekV2ForCausalLM.spec_for(ours).layers[0].attn_scale
+    assert scale == pytest.approx(DeepseekV2ForCausalLM.spec_for(theirs).layers[0].attn_scale, rel=1e-6)
+    assert scale > (16 + 16) ** -0.5  # (mscale² > 1 at factor 4)
 
 
 def test_info_names_the_mixture_and_its_active_parameters(moe_models):
