@@ -67,7 +67,12 @@ def deepseek2_layer_tensors(get: Metadata, layer: int, present: set[str]) -> lis
         else ["attn_k_b.weight", "attn_v_b.weight"]  # fmt: skip
     if layer < int(get("leading_dense_block_count", 0) or 0):
         return names + ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
-    names += ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]
+    names += [
+        "ffn_gate_inp.weight",
+        "ffn_gate_exps.weight",
+        "ffn_up_exps.weight",
+        "ffn_down_exps.weight",
+    ]
     if int(get("expert_shared_count", 0) or 0):
         names += ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]
     return names
@@ -141,8 +146,15 @@ def merge_split_kv_b(weights: dict[str, Any], num_layers: int) -> None:
         if prefix + k_name not in weights:
             continue
         k_b, v_b = weights.pop(prefix + k_name), weights.pop(prefix + v_name)
-        if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        if (
+            k_b.dim() != 3
+            or v_b.dim() != 3
+            or k_b.shape[0] != v_b.shape[0]
+            or k_b.shape[1] != v_b.shape[2]
+        ):
             raise ModelLoadError(f"blk.{i}.attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} are "
                                  "not [heads, rank, nope] and [heads, v, rank]")  # fmt: skip
         kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, rank]
-        weights[f"{prefix}self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
+        weights[f"{prefix}self_attn.kv_b_proj.weight"] = kv_b.reshape(
+            -1, kv_b.shape[-1]
+        ).contiguous()

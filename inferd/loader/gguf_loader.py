@@ -294,32 +294,32 @@ def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None =
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
-    fields = dict(
-        architecture=model_arch,
-        vocab_size=int(get("vocab_size") or n_vocab),
-        hidden_size=int(n_embd),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=n_layers,
-        num_heads=int(n_head),
-        num_kv_heads=int(n_head_kv),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch, get, max_positions),
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,  # corrected below if an output.weight tensor exists
-        attention_bias=arch in ("qwen2", "qwen2moe"),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
-        name=str(_field(reader, "general.name", "") or ""),
-        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        sliding_window=window,
-        layer_types=_layer_types(arch, n_layers, window),
-        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
-        query_pre_attn_scalar=scalar,
-        attn_logit_softcapping=get("attn_logit_softcapping"),
-        final_logit_softcapping=get("final_logit_softcapping"),
-    )
+    fields = {
+        "architecture": model_arch,
+        "vocab_size": int(get("vocab_size") or n_vocab),
+        "hidden_size": int(n_embd),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_layers": n_layers,
+        "num_heads": int(n_head),
+        "num_kv_heads": int(n_head_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch, get, max_positions),
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,  # corrected below if an output.weight tensor exists
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": eos_ids,
+        "name": str(_field(reader, "general.name", "") or ""),
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+        "sliding_window": window,
+        "layer_types": _layer_types(arch, n_layers, window),
+        "rope_local_theta": float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
     if mla:
         fields.update(deepseek2_config(get, int(n_head), n_layers))
         fields["rope_scaling"] = deepseek2_rope_scaling(fields["rope_scaling"], get)
