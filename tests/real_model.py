@@ -70,3 +70,24 @@ def gemma3_gguf() -> Path:
         return gemma3_model_path(fetch=False)
     except ModelNotFoundError as e:
         pytest.skip(str(e))
+
+
+@functools.cache
+def gemma3_hf_tokenizer():
+    """transformers' own conversion of the Gemma 3 GGUF's tokenizer, once per session: what
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` wraps, less the wrapper's ~20 s.
+    (tokenizers.Tokenizer, the file's tokenizer fields, the tokenizer config transformers reads:
+    add_bos_token, ...)."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, fields, config = get_gguf_tokenizer(str(gemma3_gguf()))
+    tok, _ = convert_gguf_tokenizer(architecture, fields)
+    return tok, fields, config
+
+
+def gemma3_hf_ids(text: str) -> list[int]:
+    """transformers' ids of `text` with the Gemma 3 file's special tokens (BOS where its config
+    adds one), as its AutoTokenizer encodes it."""
+    tok, fields, config = gemma3_hf_tokenizer()
+    bos = [fields["bos_token_id"]] if config["add_bos_token"] else []
+    return bos + tok.encode(text, add_special_tokens=False).ids

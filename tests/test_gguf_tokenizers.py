@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from real_model import gemma3_gguf
+from real_model import gemma3_gguf, gemma3_hf_tokenizer
 from tiny_models import TinySpec, write_gguf
 from tiny_tokenizers import (
     TEXT,
@@ -112,12 +112,8 @@ def test_sentencepiece_ids_match_sentencepiece(tmp_path: Path) -> None:
 def test_gemma3_270m_tokenizer_matches_transformers(hf_transformers) -> None:
     """The real file (262,144 pieces). The reference is transformers' GGUF conversion itself (what
     `AutoTokenizer.from_pretrained(dir, gguf_file=...)` wraps, less the wrapper's ~20 s)."""
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-    path = gemma3_gguf()
-    architecture, fields, config = get_gguf_tokenizer(str(path))
-    ref, _ = convert_gguf_tokenizer(architecture, fields)
-    tok = load_gguf_tokenizer(path)
+    ref, fields, config = gemma3_hf_tokenizer()
+    tok = load_gguf_tokenizer(gemma3_gguf())
     assert tok.vocab_size == len(fields["tokens"]) == 262144
     assert tok.add_bos_token == config["add_bos_token"] is True
     for text in (TEXT, CHAT_TEXTS[2], "  leading and trailing  ", "<table>\n\n\n\t\tx"):

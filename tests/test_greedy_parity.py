@@ -17,7 +17,7 @@ PROMPTS = [
     "cloves of garlic, olive oil, salt and pepper. Steps:",
     "Question: Why is the sky blue during the day and red at sunset? Explain it simply.\nAnswer:",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 32  # (a divergence shows within it; the preemption test's pool still overflows)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -67,7 +67,7 @@ def test_chunked_prefill_matches_hf(prompt_ids, reference):
 
 
 def test_preemption_matches_hf(prompt_ids, reference):
-    # 10 blocks of 16 tokens cannot hold four ~100-token sequences: someone must be preempted
+    # 10 blocks of 16 tokens cannot hold four ~60-token sequences: someone must be preempted
     # and recomputed, and the output must not change.
     per_token = loaded_default().config.kv_bytes_per_token(__import__("torch").float32)
     llm = make_llm(kv_cache_memory=10 * 16 * per_token, max_model_len=160)

@@ -28,8 +28,8 @@ from inferd.quantization.formats import dequantize
 NEW_TOKENS = 16
 CLEAR_MARGIN = 1e-3  # closer top-2 logits are near-ties rounding order may flip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-# (llama.cpp's Qwen2-MoE has no dense layers among its mixtures; DeepSeek-V2's GGUF splits kv_b)
-GGUF_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+# (llama.cpp's Qwen2-MoE has no dense layers among its mixtures)
+GGUF_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v2")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,8 @@ def moe_models(tmp_path_factory):
         if name in GGUF_FAMILIES:
             gguf_path = root / f"{name}.gguf"
             write_family_gguf(family, model, gguf_path)
+        if name == "deepseek_v2":  # (and kv_b whole, as llama.cpp's converter wrote it before)
+            write_family_gguf(family, model, root / "deepseek_v2-kv_b.gguf", split_kv_b=False)
         g = torch.Generator().manual_seed(1)
         a, b, c = (torch.randint(3, vocab, (n,), generator=g).tolist() for n in (30, 21, 40))
         prompts = [a, b, c, a[:24] + b[:10]]
@@ -79,6 +81,17 @@ def test_greedy_matches_transformers(moe_models, family, fmt):
     llm.engine.check_no_leaks()
 
 
+def test_deepseek_v2_gguf_with_kv_b_whole_matches_transformers(moe_models):
+    """The older DeepSeek-V2 GGUF layout (kv_b_proj as one attn_kv_b, per-head sizes in
+    key_length / value_length) loads the same attention as the split one."""
+    _, _, gguf_path, prompts, refs = moe_models["deepseek_v2"]
+    llm = _llm(gguf_path.with_name("deepseek_v2-kv_b.gguf"), enable_prefix_caching=False)
+    split = llm.engine.runner.model.layers[1].self_attn
+    assert split.w_uk.shape == (4, 16, 32) and split.w_uv.shape == (4, 16, 32)  # [H, nope | v, rank]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    _assert_matches(llm.generate(requests, GREEDY, use_tqdm=False), refs, "kv_b whole")
+
+
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_router_picks_transformers_experts(moe_models, family):
     hf, hf_dir, *_ = moe_models[family]
@@ -110,31 +123,44 @@ def test_a_tokens_output_does_not_depend_on_its_batch(moe_models, family):
     assert run([prompts[0]]) == run([prompts[1], prompts[0], prompts[2], prompts[3]])
 
 
-def test_quantized_experts_stay_packed(moe_models, tmp_path):
-    """A GGUF whose expert stacks are Q8_0 loads them packed, each expert its own rows of the
-    stack (bit for bit what dequantizing the stack gives), and serves."""
-    _, _, gguf_path, prompts, _ = moe_models["qwen3_moe"]
-    reader = gguf.GGUFReader(str(gguf_path))
-    q8 = tmp_path / "q8.gguf"
-    w = gguf.GGUFWriter(str(q8), "qwen3moe")
+def _rewrite_gguf(src, dst, fields=None, add=None) -> None:
+    """`src` copied to `dst` with the metadata in `fields` replaced (a None value: dropped) and
+    each tensor written by add(writer, name, array) where given."""
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    fields = fields or {}
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in fields:
             continue
         w.add_key_value(field.name, field.contents(), field.types[0],
                         field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
-    stacks = {}
+    for name, value in fields.items():
+        if value is not None:
+            {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](name, value)
     for t in reader.tensors:
         arr = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
-        if "_exps" in t.name:
-            packed = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            stacks[t.name] = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(t.name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(t.name, arr)
+        (add or (lambda w, name, arr: w.add_tensor(name, arr)))(w, t.name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_quantized_experts_stay_packed(moe_models, tmp_path):
+    """A GGUF whose expert stacks are Q8_0 loads them packed, each expert its own rows of the
+    stack (bit for bit what dequantizing the stack gives), and serves."""
+    _, _, gguf_path, prompts, _ = moe_models["qwen3_moe"]
+    q8 = tmp_path / "q8.gguf"
+    stacks = {}
+
+    def add(w, name, arr):
+        if "_exps" not in name:
+            return w.add_tensor(name, arr)
+        packed = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+        stacks[name] = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    _rewrite_gguf(gguf_path, q8, add=add)
     llm = LLM(str(q8), quantization="auto", verbose=False, kv_cache_memory=8 << 20)
     moe = llm.engine.runner.model.layers[1].mlp
     for e in (0, 5):
@@ -163,6 +189,48 @@ def test_routing_inferd_does_not_compute_is_refused(moe_models, tmp_path, field,
     (bad / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ModelLoadError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize(
+    ("fields", "dropped", "message"),
+    [({"deepseek2.expert_gating_func": 2}, None, "expert_gating_func 2 (sigmoid routing, DeepSeek-V3's)"),
+     ({}, "blk.1.attn_v_b.weight", "'blk.1.attn_v_b.weight' .* missing: a deepseek_v2 model has it")],
+)  # fmt: skip
+def test_deepseek_v2_gguf_inferd_cannot_load_is_refused(moe_models, tmp_path, fields, dropped, message):
+    """A DeepSeek-V3-style sigmoid router, a split kv_b with a half missing: errors naming them."""
+    _, _, gguf_path, *_ = moe_models["deepseek_v2"]
+    bad = tmp_path / "bad.gguf"
+    _rewrite_gguf(gguf_path, bad, fields, add=lambda w, name, arr: name == dropped or w.add_tensor(name, arr))
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(str(bad))
+
+
+def test_deepseek_v2_gguf_yarn_scales_attention_as_transformers(moe_models, tmp_path):
+    """YaRN in a deepseek2 GGUF (yarn_log_multiplier = 0.1 x mscale_all_dim) is the rope and
+    attention scale of the HF config it was converted from."""
+    from inferd.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    _, hf_dir, gguf_path, *_ = moe_models["deepseek_v2"]
+    yarn = tmp_path / "yarn.gguf"
+    _rewrite_gguf(gguf_path, yarn, {"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 4.0,
+                                    "deepseek2.rope.scaling.original_context_length": 64,
+                                    "deepseek2.rope.scaling.yarn_log_multiplier": 0.0707})  # fmt: skip
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in hf_dir.iterdir():
+        (hf / f.name).symlink_to(f)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf / "config.json").unlink()
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
+    (hf / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {**cfg["rope_parameters"], **scaling}}))
+    ours, theirs = load_model(str(yarn)).config, load_model(str(hf)).config
+    assert ours.rope_scaling["mscale"] == pytest.approx(0.707) == ours.rope_scaling["mscale_all_dim"]
+    for key in ("rope_type", "factor", "original_max_position_embeddings"):
+        assert ours.rope_scaling[key] == theirs.rope_scaling[key]
+    scale = DeepseekV2ForCausalLM.spec_for(ours).layers[0].attn_scale
+    assert scale == pytest.approx(DeepseekV2ForCausalLM.spec_for(theirs).layers[0].attn_scale, rel=1e-6)
+    assert scale > (16 + 16) ** -0.5  # (mscale² > 1 at factor 4)
 
 
 def test_info_names_the_mixture_and_its_active_parameters(moe_models):

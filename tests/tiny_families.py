@@ -154,7 +154,8 @@ MOE_FAMILIES = {
                            "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
                            "n_routed_experts": 8, "moe_intermediate_size": 64, "n_shared_experts": 1,
                            "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
-                           "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
+                           "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+                          gguf_arch="deepseek2"),
 }  # fmt: skip
 
 
@@ -235,6 +236,19 @@ _MOE_TENSORS = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",  # (DeepSeek's, ungated)
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+# DeepSeek-V2's multi-head latent attention (convert_hf_to_gguf.py's DeepseekV2Model).
+_MLA_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
 }
 
 
@@ -262,12 +276,52 @@ def gguf_tensor_name(hf_name: str, arch: str) -> str:
         return glob[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    table = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+    table = _GEMMA_LAYER if arch.startswith("gemma") else {**_LAYER, **_MLA_LAYER}
     return f"blk.{layer}.{table[module]}.{kind}"
 
 
-def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> None:
-    """The HF model's weights and config as convert_hf_to_gguf.py writes them (F32)."""
+def _deepseek2_metadata(w: gguf.GGUFWriter, cfg: Any, split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters: the newer converter (`split_kv_b`) describes the latent
+    as one shared KV head and the per-head sizes as *_mla; the older one states per-head sizes."""
+    rope, rank = cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if split_kv_b:
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + rope)
+        w.add_value_length_mla(cfg.v_head_dim)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(cfg.qk_nope_head_dim + rope)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_rope_dimension_count(rope)
+    w.add_kv_lora_rank(rank)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+
+
+def _split_kv_b(name: str, arr: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """The newer converter's kv_b: per head, k_b's rows transposed [H, rank, nope] and v_b's
+    [H, v, rank] (ggml shapes {nope, rank, H} and {rank, v, H})."""
+    _, _, layer, _ = name.split(".", 3)
+    kv_b = arr.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+    k_b, v_b = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+    return [(f"blk.{layer}.attn_k_b.weight", k_b.transpose(0, 2, 1)), (f"blk.{layer}.attn_v_b.weight", v_b)]
+
+
+def write_family_gguf(family: Family, model: torch.nn.Module, path: Path, split_kv_b: bool = True) -> None:
+    """The HF model's weights and config as convert_hf_to_gguf.py writes them (F32). DeepSeek-V2:
+    kv_b split per head as llama.cpp's converter has since its MLA absorption (`split_kv_b`), or
+    whole as before."""
     cfg = model.config
     arch = family.gguf_arch or family.arch
     tok = build_tokenizer("qwen2" if family.arch.startswith("qwen") else "llama-bpe")
@@ -278,14 +332,17 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if family.arch != "deepseek_v2":
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = cfg.rope_parameters
     full = rope.get("full_attention", rope)
     w.add_rope_freq_base(full["rope_theta"])
-    if family.arch.startswith("gemma"):
+    if family.arch == "deepseek_v2":
+        _deepseek2_metadata(w, cfg, split_kv_b)
+    elif family.arch.startswith("gemma"):
         w.add_key_length(family.head_dim)
         w.add_value_length(family.head_dim)
     else:
@@ -295,8 +352,9 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
             w.add_value_length(family.head_dim)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-    if experts:
+    experts = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+               or getattr(cfg, "n_routed_experts", None))  # fmt: skip
+    if experts and family.arch != "deepseek_v2":
         if getattr(cfg, "mlp_only_layers", None):
             raise ValueError("llama.cpp's MoE architectures have a mixture in every layer")
         w.add_expert_count(experts)
@@ -333,6 +391,8 @@ def write_family_gguf(family: Family, model: torch.nn.Module, path: Path) -> Non
         if family.arch.startswith("gemma") and name.endswith("norm.weight"):
             arr = arr + np.float32(1.0)  # convert_hf_to_gguf.py's norm_shift
         moe = _moe_tensors(name, arr) if experts and name.startswith("model.layers.") else None
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            moe = _split_kv_b(name, arr, cfg)
         for gguf_name, part in moe or [(gguf_tensor_name(name, family.arch), arr)]:
             w.add_tensor(gguf_name, np.ascontiguousarray(part))
     w.write_header_to_file()

@@ -17,6 +17,14 @@ from tqdm import tqdm
 
 from inferd.config import ModelConfig
 from inferd.loader.chat_templates import default_chat_template
+from inferd.loader.gguf_deepseek2 import (
+    DEEPSEEK2_LAYER,
+    SPLIT_KV_B,
+    deepseek2_config,
+    deepseek2_layer_tensors,
+    deepseek2_rope_scaling,
+    merge_split_kv_b,
+)
 from inferd.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 from inferd.loader.gguf_tokenizer import (
     GGUFVocab,
@@ -83,7 +91,7 @@ _SHARED_EXPERT = {
 }
 # llama.cpp's architecture names that differ from inferd's (a Mixtral GGUF says "llama" and has
 # experts).
-_GGUF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2"}
 # Whether the chosen experts' weights are renormalised, where the file does not say
 # (`expert_weights_norm`): as llama.cpp computes each architecture.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
@@ -102,6 +110,8 @@ _ARCH_TENSORS: dict[str, tuple[dict[str, str], frozenset[str]]] = {
     "qwen2_moe": ({**_MOE, **_QKV_BIAS, **_SHARED_EXPERT}, frozenset()),
     "qwen3_moe": ({**_MOE, **_QK_NORM}, frozenset()),
     "olmoe": ({**_MOE, **_QK_NORM}, frozenset()),
+    # (which of its tensors a layer has depends on the layer and the file: deepseek2_layer_tensors)
+    "deepseek_v2": (DEEPSEEK2_LAYER, frozenset(DEEPSEEK2_LAYER)),
 }
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCH_TENSORS if a != "mixtral")  # (Mixtral: "llama")
 # Architectures whose Q/K rows convert_hf_to_gguf.py permutes for llama.cpp's (interleaved) rope.
@@ -131,7 +141,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def _check_tensors(names: list[str], arch: str, num_layers: int) -> None:
+def _check_tensors(names: list[str], arch: str, num_layers: int, get: Metadata) -> None:
     """ModelLoadError naming the first tensor an `arch` model cannot have, or the first it lacks."""
     layer_names, optional = _ARCH_TENSORS[arch]
     present = set(names)
@@ -145,6 +155,8 @@ def _check_tensors(names: list[str], arch: str, num_layers: int) -> None:
                                  f"(block_count {num_layers}); the file does not match its architecture")  # fmt: skip
     wanted = [g for g in _GLOBAL_NAMES if g not in _OPTIONAL_GLOBALS]
     wanted += [f"blk.{i}.{n}" for i in range(num_layers) for n in layer_names if n not in optional]
+    if arch == "deepseek_v2":
+        wanted += [f"blk.{i}.{n}" for i in range(num_layers) for n in deepseek2_layer_tensors(get, i, present)]
     missing = [n for n in wanted if n not in present]
     if missing:
         more = f"; {len(missing)} tensors missing in all" if len(missing) > 1 else ""
@@ -259,10 +271,7 @@ def _moe_config(get: Metadata, arch: str) -> dict[str, Any]:
 def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None = None) -> ModelConfig:
     """`arch`: llama.cpp's name (the metadata's prefix); `model_arch`: inferd's, where it differs."""
     model_arch = model_arch or arch
-
-    def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
+    get = _arch_metadata(reader, arch)
     n_embd = get("embedding_length")
     n_head = get("attention.head_count")
     if n_embd is None or n_head is None or get("block_count") is None:
@@ -271,7 +280,8 @@ def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None =
     n_head_kv = get("attention.head_count_kv", n_head)
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or n_embd // n_head)
     rope_dims = get("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    mla = model_arch == "deepseek_v2"  # (its heads' sizes: deepseek2_config)
+    if rope_dims is not None and int(rope_dims) != head_dim and not mla:
         raise ModelLoadError(f"{arch}.rope.dimension_count {rope_dims} != head size {head_dim}: "
                              "partial rotary embeddings are not supported")  # fmt: skip
     max_positions = int(get("context_length", 2048))
@@ -284,33 +294,43 @@ def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None =
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
-    return ModelConfig(
-        architecture=model_arch,
-        vocab_size=int(get("vocab_size") or n_vocab),
-        hidden_size=int(n_embd),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=n_layers,
-        num_heads=int(n_head),
-        num_kv_heads=int(n_head_kv),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch, get, max_positions),
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,  # corrected below if an output.weight tensor exists
-        attention_bias=arch in ("qwen2", "qwen2moe"),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
-        name=str(_field(reader, "general.name", "") or ""),
-        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        sliding_window=window,
-        layer_types=_layer_types(arch, n_layers, window),
-        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
-        query_pre_attn_scalar=scalar,
-        attn_logit_softcapping=get("attn_logit_softcapping"),
-        final_logit_softcapping=get("final_logit_softcapping"),
-        **_moe_config(get, model_arch),
-    )
+    fields = {
+        "architecture": model_arch,
+        "vocab_size": int(get("vocab_size") or n_vocab),
+        "hidden_size": int(n_embd),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_layers": n_layers,
+        "num_heads": int(n_head),
+        "num_kv_heads": int(n_head_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch, get, max_positions),
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,  # corrected below if an output.weight tensor exists
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": eos_ids,
+        "name": str(_field(reader, "general.name", "") or ""),
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+        "sliding_window": window,
+        "layer_types": _layer_types(arch, n_layers, window),
+        "rope_local_theta": float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }
+    if mla:
+        fields.update(deepseek2_config(get, int(n_head), n_layers))
+        fields["rope_scaling"] = deepseek2_rope_scaling(fields["rope_scaling"], get)
+    else:
+        fields.update(_moe_config(get, model_arch))
+    return ModelConfig(**fields)
+
+
+def _arch_metadata(reader: Any, arch: str) -> Metadata:
+    """get(key, default=None): the file's `{arch}.{key}` value."""
+    return lambda key, default=None: _field(reader, f"{arch}.{key}", default)
 
 
 # Control tokens that end a chat turn, by the families' spelling (Gemma's "<end_of_turn>", Llama 3's
@@ -422,7 +442,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         )
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     config = _model_config(reader, gguf_arch, len(tokens), arch)
-    _check_tensors([t.name for t in reader.tensors], arch, config.num_layers)
+    _check_tensors([t.name for t in reader.tensors], arch, config.num_layers, _arch_metadata(reader, gguf_arch))
     tokenizer = gguf_tokenizer(functools.partial(_field, reader)) if with_tokenizer else None
     permuted = arch in _PERMUTED_ROPE
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -435,7 +455,8 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         if name is None:  # (Phi-3's rope factors, read into the config)
             continue
         types[t.tensor_type.name] += 1
-        if keep_quantized and t.tensor_type.name in GGUF_PACKED and len(t.shape) in (2, 3):
+        fp32 = name.endswith(SPLIT_KV_B)  # (dequantized by design: merged back into kv_b)
+        if keep_quantized and t.tensor_type.name in GGUF_PACKED and len(t.shape) in (2, 3) and not fp32:
             try:
                 qw = _native(t)  # (a 3-D stack of experts: their rows one after another)
             except Exception as e:
@@ -445,7 +466,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
                 qw = qw.rows(unpermute_rope(np.arange(qw.shape[0]), heads))  # rows, as below
             weights[name] = qw
             continue
-        if keep_quantized and t.tensor_type.name not in _FLOAT_TYPES:
+        if keep_quantized and t.tensor_type.name not in _FLOAT_TYPES and not fp32:
             dequantized[t.tensor_type.name] += 1
         try:
             arr = _dequantize(t)
@@ -460,6 +481,8 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)  # back to the checkpoint's w (the model adds the 1)
         weights[name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    if arch == "deepseek_v2":
+        merge_split_kv_b(weights, config.num_layers)
     if "lm_head.weight" in weights:
         from dataclasses import replace
 
