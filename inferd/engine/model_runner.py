@@ -449,7 +449,7 @@ class ModelRunner:
             for g, t in enumerate(tables)
         ]
 
-    def _copy_kv(self, plan: StepPlan) -> None:
+    def _copy_kv(self, plan: StepPlan | SchedulerOutput) -> None:
         """What the step moves in the KV pool before its forward (the prefault's high water,
         accepted tree leaves, copy-on-write blocks)."""
         if self.kv_prefaulter is not None:
@@ -465,12 +465,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
         final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
-        plan = self.plan(out)
-        # A decode-only step in a bucket (CUDA graphs; never under tensor parallelism).
+        # A decode-only step in a bucket (CUDA graphs; never under tensor parallelism) needs no
+        # plan: its inputs are filled straight from the sequences.
         bucket = self.decode_bucket(out, all_hidden) if self.tp is None else None
         if bucket is not None:
-            self._copy_kv(plan)
+            self._copy_kv(out)
             return self._execute_bucket(out, bucket)
+        plan = self.plan(out)
         if self.tp is not None:  # the other ranks run the same step on their shards
             self.tp.broadcast_object(plan.for_workers())
         return self.run(plan, all_hidden)
