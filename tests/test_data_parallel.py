@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import psutil
 import pytest
 from tiny_models import TinySpec, write_gguf
 
-from tests.test_server_utils import RemoteServer, metric
+from tests.test_server_utils import RemoteServer, assert_no_leaks, metric, wait_until
 
 NAME = "tiny"
 CPUS = sorted(os.sched_getaffinity(0))
@@ -69,22 +68,6 @@ def engine_processes(server: RemoteServer) -> dict[int, psutil.Process]:
         except psutil.Error:  # gone meanwhile
             pass
     return found
-
-
-def wait_until(check, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
-        time.sleep(0.05)
-
-
-def assert_no_leaks(http: httpx.Client) -> None:
-    deadline = time.monotonic() + 60
-    while (r := http.post("/debug/check_no_leaks")).status_code == 409:
-        assert time.monotonic() < deadline, "the engines never became idle"
-        time.sleep(0.05)
-    assert r.status_code == 200, r.text
-    assert r.json()["num_free_blocks"] == r.json()["num_total_blocks"], r.json()
 
 
 def complete(http: httpx.Client, results: dict[int, httpx.Response], i: int, **body) -> None:

@@ -18,7 +18,14 @@ import httpx
 import psutil
 import pytest
 
-from tests.test_server_utils import MODEL, RemoteServer, assert_error, metric
+from tests.test_server_utils import (
+    MODEL,
+    RemoteServer,
+    assert_error,
+    assert_no_leaks,
+    metric,
+    wait_until,
+)
 
 ARGS = [
     "--engine-process",
@@ -63,24 +70,6 @@ def engine_process(server: RemoteServer) -> psutil.Process:
 
 def counter(http: httpx.Client, name: str, **labels: str) -> float:
     return metric(http.get("/metrics").text, f"inferd:{name}", model_name=MODEL, **labels)
-
-
-def wait_until(check, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
-        time.sleep(0.05)
-
-
-def assert_no_leaks(http: httpx.Client) -> None:
-    """Once the engine is idle, every KV block is back (the debug endpoint's integrity check)."""
-    deadline = time.monotonic() + 60
-    while (r := http.post("/debug/check_no_leaks")).status_code == 409:
-        assert time.monotonic() < deadline, "the engine never became idle"
-        time.sleep(0.05)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["ok"] and body["num_free_blocks"] == body["num_total_blocks"], body
 
 
 def sse_events(lines: Iterator[str]) -> list[str]:

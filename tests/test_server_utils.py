@@ -141,3 +141,22 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
     if param != "any":
         assert err["param"] == param, err
     return err
+
+
+def wait_until(check, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
+        time.sleep(0.05)
+
+
+def assert_no_leaks(http: httpx.Client) -> None:
+    """Once the engine (every replica's) is idle, every KV block is back (the debug endpoint's
+    integrity check)."""
+    deadline = time.monotonic() + 60
+    while (r := http.post("/debug/check_no_leaks")).status_code == 409:
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ok"] and body["num_free_blocks"] == body["num_total_blocks"], body
