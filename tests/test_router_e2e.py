@@ -342,13 +342,18 @@ def test_a_killed_worker_loses_no_request_that_had_not_started_streaming(
 
     results, killed_at = asyncio.run(run())
     victim.proc.wait(30)
-    for r in results:
-        if r["first_byte"] is None or r["first_byte"] >= killed_at:  # had not started streaming
-            assert r["done"] and r["tokens"] == LONG and r["error"] is None, r
+    # Whether a stream had started is the router's view (a byte forwarded), which the client's
+    # clock cannot tell: a byte sent before the kill may be read after it. So: every request
+    # completes whole, or ends with worker_failed after bytes had flowed, and at most the two
+    # the victim was running end so: its two queued ones were retried and completed.
     cut = [r for r in results if not r["done"]]
-    assert all(r["error"] and r["error"]["code"] == "worker_failed" for r in cut), cut
-    assert len(cut) <= 2  # at most the two streams the victim was running
+    for r in results:
+        if r["done"]:
+            assert r["tokens"] == LONG and r["error"] is None, r
+    assert all(r["first_byte"] is not None and r["error"] and r["error"]["code"] == "worker_failed"
+               for r in cut), cut  # fmt: skip
+    assert len(cut) <= 2, cut
+    assert any(r["first_byte"] < killed_at for r in results)  # the kill came with streams flowing
     text = httpx.get(f"{url}/metrics").text
     assert metric(text, "inferd_router:retries_total") >= 1  # its queued requests went elsewhere
     assert metric(text, "inferd_router:worker_healthy", worker=victim.url) == 0
-    assert sum(r["done"] for r in results) >= 6
