@@ -37,6 +37,20 @@ def test_multi_turn_report(tiny_models, capsys):
     assert report["final_prompt_tokens"] == 4 * (10 + 5) + 10
 
 
+def test_kv_tier_report(tiny_models, capsys):
+    """After the restart, turn 5's history comes from the disk tier: all its full blocks."""
+    model = str(tiny_models["llama-hf"].path)
+    argv = ["bench", "prefix", "--model", model, "--scenario", "kv-tier", "--runs", "1",
+            "--turn-tokens", "10", "--answer-tokens", "5"]  # fmt: skip
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert report["prompt_tokens"] == 4 * (10 + 5) + 10
+    assert report["disk_cached_tokens"] == (report["prompt_tokens"] - 1) // 16 * 16
+    assert report["bytes_read_per_run"] > 0
+    assert all(report[f"turn5_ttft_{k}_s"] > 0 for k in ("warm", "disk", "cold"))
+    assert report["disk_over_cold"] > 0
+
+
 def test_multi_turn_history_comes_from_the_cache(tiny_models):
     """The scenario's premise: each turn's history (earlier turns and answers) is served by the
     prefix cache when it is on, and computed again when it is off."""

@@ -94,6 +94,9 @@ class EngineCore:
         # weights as loaded, before the runner repacks any of them.
         fingerprint = ""
         if config.kv_transfer.connector_name is not None:
+            if config.parallel.tensor_parallel_size > 1:  # each rank would need its worker side
+                raise ValueError("a KV connector (--kv-transfer-config, --kv-offload-*) with "
+                                 "--tensor-parallel-size > 1 is not supported")  # fmt: skip
             fingerprint = model_fingerprint(mcfg, loaded.weights,
                                             f"{self.dtype} {config.quantization} {loaded.file_type}")  # fmt: skip
 
