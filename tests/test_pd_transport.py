@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from inferd.kv.connectors.pd.layout import KVLayoutInfo, KVLayoutMismatch
+from inferd.kv.connectors.pd.handshake import KVLayoutMismatch
+from inferd.kv.connectors.pd.layout import KVLayoutInfo
 from inferd.kv.connectors.pd.transport import (
     BlockIO,
     KVReceiver,

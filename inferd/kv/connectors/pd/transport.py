@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 import torch
 
-from inferd.kv.connectors.pd.layout import KVLayoutInfo, KVLayoutMismatch
+from inferd.kv.connectors.pd.handshake import KVLayoutMismatch, check_layout, layout_json
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "mooncake")
 _OPTIONAL = {"nixl": "nixl", "mooncake": "mooncake"}  # transport → the module it needs
@@ -114,7 +114,7 @@ class KVSender:
     """The prefill side: serves pulls of registered transfers on a thread of its own.
     `register` / `take_released` belong to the engine thread (which owns the blocks)."""
 
-    def __init__(self, io: BlockIO, layout: KVLayoutInfo, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, io: BlockIO, layout: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         import zmq
 
         self.io = io
@@ -200,12 +200,12 @@ class KVSender:
                 self._released.append(str(msg.get("transfer_id")))
             return []
         if op == "handshake":
-            KVLayoutInfo.from_json(msg.get("layout")).check_compatible(self.layout)
-            return [orjson.dumps({"ok": True, "layout": self.layout.to_json()})]
+            check_layout(self.layout, msg.get("layout"), "the puller")
+            return [orjson.dumps({"ok": True, "layout": layout_json(self.layout)})]
         if op != "pull":
             raise ValueError(f"unknown op {op!r}")
         # The layout first: a mismatched receiver gets the reason and no bytes.
-        KVLayoutInfo.from_json(msg.get("layout")).check_compatible(self.layout, "the puller")
+        check_layout(self.layout, msg.get("layout"), "the puller")
         tid = str(msg.get("transfer_id"))
         with self._lock:
             o = self._transfers.get(tid)
@@ -267,7 +267,7 @@ class Pulled:
 class KVReceiver:
     """The decode side: pulls a transfer's blocks into blocks its engine allocated."""
 
-    def __init__(self, io: BlockIO, layout: KVLayoutInfo, timeout_s: float = 10.0, transport: str = "auto") -> None:
+    def __init__(self, io: BlockIO, layout: Any, timeout_s: float = 10.0, transport: str = "auto") -> None:
         import zmq
 
         check_transport(transport)
@@ -299,10 +299,10 @@ class KVReceiver:
             raise KVTransferError(f"{endpoint} refused: {error}")
         return [head, *frames[1:]]
 
-    def handshake(self, endpoint: str) -> KVLayoutInfo:
-        """The sender's layout; KVLayoutMismatch (with the differences) if it is not ours."""
-        head, *_ = self._request(endpoint, {"op": "handshake", "layout": self.layout.to_json()})
-        return KVLayoutInfo.from_json(head["layout"])
+    def handshake(self, endpoint: str) -> dict[str, Any]:
+        """The sender's layout (JSON); KVLayoutMismatch (with the differences) if not ours."""
+        head, *_ = self._request(endpoint, {"op": "handshake", "layout": layout_json(self.layout)})
+        return head["layout"]
 
     def pull(self, handle: dict[str, Any], first_block: int, local_blocks: Sequence[int]) -> Pulled:
         """Copy the handle's blocks [first_block, ...) into `local_blocks` (one each, in order).
@@ -313,7 +313,7 @@ class KVReceiver:
         if transport == "auto":
             transport = "shm" if handle.get("hostname") == self.hostname else "tcp"
         msg = {"op": "pull", "transfer_id": handle["transfer_id"], "first_block": first_block,
-               "layout": self.layout.to_json(), "transport": transport}  # fmt: skip
+               "layout": layout_json(self.layout), "transport": transport}  # fmt: skip
         head, *frames = self._request(endpoint, msg)
         n = int(head["num_blocks"])
         if n != len(local_blocks):
