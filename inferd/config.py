@@ -7,6 +7,7 @@ The field defaults here are the engine's defaults, written once: the CLI flags
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -229,6 +230,68 @@ class CacheConfig:
             )
 
 
+# --kv-transfer-config's kv_role (vLLM's names): what a connector does with this engine's KV.
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Moving KV blocks out of the engine and back (inferd/kv/connectors, docs/kv-connectors.md):
+    which connector, in which role, and the KV tier's places and sizes."""
+
+    # A name in the connector registry (inferd/kv/connectors/registry.py); None: none, unless a
+    # tier flag below is given (then the offloading connector).
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # The KV tier: evicted prefix-cache blocks kept on disk under this directory (shared by
+    # restarts and replicas) up to `kv_offload_size` bytes, and in host memory up to
+    # `kv_offload_cpu` bytes (0: no host tier).
+    kv_offload_dir: str | None = None
+    kv_offload_size: int = 20 << 30
+    kv_offload_cpu: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")  # noqa: TRY004
+        if self.kv_offload_size <= 0:
+            raise ValueError(f"--kv-offload-size must be positive, got {self.kv_offload_size}")
+        if self.kv_offload_cpu < 0:
+            raise ValueError(f"--kv-offload-cpu must be >= 0, got {self.kv_offload_cpu}")
+        if self.kv_offload_dir is not None and not self.kv_offload_dir.strip():
+            raise ValueError("--kv-offload-dir must be a directory path, got an empty string")
+
+    @property
+    def connector_name(self) -> str | None:
+        """The connector to build: `kv_connector`, or the offloading one when a tier is asked for."""
+        if self.kv_connector is not None:
+            return self.kv_connector
+        if self.kv_offload_dir is not None or self.kv_offload_cpu > 0:
+            return "OffloadingConnector"
+        return None
+
+    @staticmethod
+    def parse_json(text: str | dict | None) -> dict[str, Any]:
+        """vLLM's --kv-transfer-config JSON → this dataclass's fields (ValueError naming the problem)."""
+        if text is None:
+            return {}
+        cfg = text
+        if isinstance(text, str):
+            try:
+                cfg = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")  # noqa: TRY004
+        known = {f.name for f in dataclasses.fields(KVTransferConfig)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: unknown keys {unknown}; known: {sorted(known)}")
+        return dict(cfg)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -439,8 +502,12 @@ class EngineConfig:
     structured_output_timeout: float = 30.0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_transfer.connector_name is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("a KV connector (--kv-transfer-config, --kv-offload-*) with "
+                             "--tensor-parallel-size > 1 is not supported")  # fmt: skip
         if self.dtype not in (*DTYPES, "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
         if self.quantization not in QUANTIZATION_METHODS:

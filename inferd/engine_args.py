@@ -21,6 +21,7 @@ from inferd.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -28,8 +29,10 @@ from inferd.config import (
 )
 
 _NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                            "parallel": ParallelConfig}  # fmt: skip
+                            "parallel": ParallelConfig, "kv_transfer": KVTransferConfig}  # fmt: skip
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
+# vLLM's JSON form of KVTransferConfig's fields; a field also given on its own wins.
+_KV_TRANSFER = "kv_transfer_config"
 
 
 def _engine_arg_owners() -> dict[str, type]:
@@ -61,6 +64,10 @@ def engine_arg_default(name: str) -> Any:
 def build_engine_config(**engine_args: Any) -> EngineConfig:
     """EngineConfig from flat engine arguments; each one not given takes its field's default.
     TypeError for a name that is not an engine argument, ValueError for a bad value."""
+    if _KV_TRANSFER in engine_args:
+        engine_args = dict(engine_args)
+        given = KVTransferConfig.parse_json(engine_args.pop(_KV_TRANSFER))
+        engine_args = {**given, **{k: v for k, v in engine_args.items() if k not in given or v is not None}}
     unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
     if unknown:
         raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(ENGINE_ARGS)}")
@@ -172,6 +179,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "host; ray = serve's --data-parallel-size replicas as actors on the Ray cluster at "
         "--ray-address, one placement group each (pip install 'inferd[ray]')" + shown,
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='a KV connector as vLLM configures one: \'{"kv_connector": NAME, "kv_role": '
+                   '"kv_both", "kv_connector_extra_config": {...}}\' (docs/kv-connectors.md)')  # fmt: skip
+    add("--kv-offload-dir", "KV tier on disk: prefix-cache blocks evicted from memory are kept "
+        "here (content-addressed, reused after a restart and by replicas sharing the directory) "
+        "and loaded back instead of recomputed (default: off)")
+    add("--kv-offload-size", "most bytes the KV tier keeps under --kv-offload-dir, least recently "
+        f"used evicted first (default: {format_bytes(d('kv_offload_size'))})", type=parse_bytes)
+    add("--kv-offload-cpu", "bytes of host memory for a KV tier between the pool and the disk "
+        "(mostly useful on a GPU); 0 = off" + shown, type=parse_bytes)
     add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
         type=float)
 
@@ -198,4 +215,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {n: getattr(args, n) for n in ENGINE_ARGS if hasattr(args, n)}
     if getattr(args, "kv_events_config", None):
         values["kv_events_endpoint"] = args.kv_events_config
+    if getattr(args, "kv_transfer_config", None):
+        # The JSON's fields, unless the same field was given as a flag of its own.
+        given = KVTransferConfig.parse_json(args.kv_transfer_config)
+        defaults = {n: engine_arg_default(n) for n in given}
+        values.update({k: v for k, v in given.items() if values.get(k, defaults[k]) == defaults[k]})
     return build_engine_config(**values)

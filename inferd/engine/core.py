@@ -35,6 +35,8 @@ from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.request import Request, RequestError
 from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.host_to_device import upload
+from inferd.kv.connectors.factory import make_connector
+from inferd.kv.connectors.layout import KVBlockLayout, model_fingerprint
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
 from inferd.kv.kv_cache_manager import KVCacheManager
@@ -88,6 +90,12 @@ class EngineCore:
                            "per-layer ATen ops; --dtype auto (fp32) decodes faster",
                            str(self.dtype).removeprefix("torch."))  # fmt: skip
         torch.manual_seed(config.seed)
+        # What KV transfers must agree on (inferd/kv/connectors/layout.py): hashed from the
+        # weights as loaded, before the runner repacks any of them.
+        fingerprint = ""
+        if config.kv_transfer.connector_name is not None:
+            fingerprint = model_fingerprint(mcfg, loaded.weights,
+                                            f"{self.dtype} {config.quantization} {loaded.file_type}")  # fmt: skip
 
         block_size = config.cache.block_size
         kv_cache_dtype = config.cache.kv_cache_dtype
@@ -157,10 +165,15 @@ class EngineCore:
             if self.max_model_len != self._model_positions:
                 model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
         self.kv_events = make_publisher(config.cache.kv_events_endpoint, block_size)
+        # One connector serves both sides here: the scheduler's and the runner's (its worker side).
+        self.kv_block_layout = KVBlockLayout.of(fingerprint, mcfg, layout, block_size, kv_cache_dtype, self.dtype)
+        self.connector = make_connector(config.kv_transfer, self.kv_block_layout)
+        self.runner.set_connector(self.connector)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout,
-                            self.kv_events)  # fmt: skip
+                            self.kv_events, self.connector)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
-                                   clock=lambda: self.clock())  # fmt: skip
+                                   clock=lambda: self.clock(), connector=self.connector)  # fmt: skip
+        self._finished_seq_ids: list[int] = []  # last step's, for the connector's get_finished
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids, self.runner.readbacks)
         self.requests: dict[str, Request] = {}
         # The clock of request metrics (arrival, first token, finish). A benchmark on a machine
@@ -386,7 +399,13 @@ class EngineCore:
         return True
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine runs no more steps)."""
+        """Stop the tensor-parallel workers, if any, and the KV connector (the engine runs no more
+        steps). A KV tier first receives every cached block no request holds: what a restart
+        finds there. Idempotent."""
+        if self.connector.wants_evicted_blocks and not self.scheduler.num_unfinished:
+            self.reset_prefix_cache()  # evicts into the tier
+            self.runner.connector.start_load_kv(self.scheduler.connector.build_connector_meta())
+        self.connector.shutdown()
         if self.tp_executor is not None:
             self._finalizer()
 
@@ -399,6 +418,9 @@ class EngineCore:
         Returns the text and token deltas of every sequence that got tokens."""
         self.spec.propose(self.scheduler.running)
         start = time.perf_counter()
+        done = self.connector.get_finished(self._finished_seq_ids)
+        self._finished_seq_ids = []
+        self.scheduler.finish_kv_transfers(*done)
         out = self.scheduler.schedule()
         if out.is_empty:
             self._refresh_stats()
@@ -410,6 +432,7 @@ class EngineCore:
         self.spec.end_forward(out)
         sampled = self._sample(logits, batch, masks) + self.spec.verify(logits, batch)
         finished = self.scheduler.update_from_output(out, sampled)
+        self._finished_seq_ids = [seq.seq_id for seq in finished]
         self.spec.observe(out, sampled, batch)
         deltas = self._outputs(sampled, finished)
         # The step as its streams feel it, scheduling to outputs: what the latency budget bounds.
@@ -542,6 +565,7 @@ class EngineCore:
         s.prefix_cache_hits_total = sched.prefix_hits_tokens
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
         s.kv_events_dropped_total = getattr(self.kv_events, "dropped", 0)
+        s.kv_connector = self.connector.stats()
         budget = sched.budget
         s.step_budget_capped_steps_total = budget.num_capped_steps
         s.step_budget_ttft_rescues_total = budget.num_slo_rescues
@@ -570,7 +594,8 @@ class EngineCore:
         prefix cache alone, and flushing the cache leaves the pool entirely free."""
         kv = self.kv
         kv.check_integrity()
-        assert not self.scheduler.running and not self.scheduler.waiting
+        sched = self.scheduler
+        assert not sched.running and not sched.waiting and not sched.loading and not sched.sending
         assert not kv.block_tables, f"block tables left: {list(kv.block_tables)}"
         cached = set(kv.prefix_cache.blocks())
         for b, rc in enumerate(kv.pool.ref_counts):

@@ -272,6 +272,7 @@ class EngineLoop:
             self.emit(Replies([(rid, error) for rid in self._compiling], [], self.stats))
             self._compiling.clear()
         self.fail_all(error)
+        self.core.close()  # its KV connector's last writes (a KV tier keeps the prefix cache)
 
     def iterate(self, commands: list[Command]) -> None:
         """Apply the commands, run one step if there is work, and emit what happened."""

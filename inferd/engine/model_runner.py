@@ -35,6 +35,7 @@ from inferd.engine.decode_buckets import DecodeBuckets, bucket_for, bucket_sizes
 from inferd.engine.readbacks import HostReadbacks
 from inferd.distributed.group import TPGroup
 from inferd.host_to_device import upload
+from inferd.kv.connectors.base import KVConnectorBase, NullConnector
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout
 from inferd.kv.prefault import KVPrefaulter
@@ -169,6 +170,8 @@ class ModelRunner:
         self.buckets: DecodeBuckets | None = None
         self.graphs = None
         self.bucket_steps = 0  # steps run in a bucket (graph replays or eager)
+        # The KV connector's worker side (inferd/kv/connectors/base.py): `set_connector`.
+        self.connector: KVConnectorBase = NullConnector(None, None)
         self._allocate_kv()
         # Every query goes to the kernel group where the model's attention backend has a paged
         # kernel (inferd/layers/attention.py); elsewhere the padded group and long chunks.
@@ -193,6 +196,7 @@ class ModelRunner:
                                  self.layout.group_size)  # fmt: skip
         self.kv_cache = KVCache(data, self.kv_cache_dtype)
         self.kv_caches = self.kv_cache.layers(self.layout.layer_slot)
+        self.connector.register_kv_cache(self.kv_cache)
         self.kv_prefaulter = None
         if self.kv_cache_prefault > 0 and is_lazily_zeroed(data):
             self.kv_prefaulter = KVPrefaulter(data, self.kv_cache_prefault)
@@ -461,10 +465,28 @@ class ModelRunner:
             src, dst = zip(*plan.block_copies)
             self.kv_cache.copy_blocks(self.as_tensor(list(src)), self.as_tensor(list(dst)))
 
+    def set_connector(self, connector: KVConnectorBase) -> None:
+        """Move KV through `connector` around each step (its worker side)."""
+        self.connector = connector
+        connector.register_kv_cache(self.kv_cache)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         """Run the step's forward pass; returns logits [len(sample_rows), vocab] (fp32) and the
-        final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`."""
+        final hidden states of the same rows; with `all_hidden`, every row's in `batch.hidden`.
+        The KV connector's loads come first (before any other write into the pool: the step may
+        reuse a block whose evicted contents it saves), its saves after the forward."""
+        connector, meta = self.connector, out.kv_connector_meta
+        connector.start_load_kv(meta)
+        for layer in range(len(self.kv_caches)):  # one forward over every layer: whole-block loads
+            connector.wait_for_layer_load(layer)
+        result = self._execute(out, all_hidden)
+        for layer, kv in enumerate(self.kv_caches):
+            connector.save_kv_layer(layer, kv, meta)
+        connector.wait_for_save()
+        return result
+
+    def _execute(self, out: SchedulerOutput, all_hidden: bool) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
         # A decode-only step in a bucket (CUDA graphs; never under tensor parallelism) needs no
         # plan: its inputs are filled straight from the sequences.
         bucket = self.decode_bucket(out, all_hidden) if self.tp is None else None

@@ -25,6 +25,8 @@ class EngineStats:
     prefix_cache_hits_total: int = 0  # ... and served from it
     num_cached_blocks: int = 0  # blocks the prefix cache holds
     kv_events_dropped_total: int = 0  # KV events a full publisher queue dropped (kv_events.py)
+    # The KV connector's counters (inferd/kv/connectors/base.py `stats`): name → count since start.
+    kv_connector: dict[str, int] = field(default_factory=dict)
     prompt_throughput: float = 0.0  # tokens/s over the last logging interval
     generation_throughput: float = 0.0
     # Speculative decoding ("" when off): verification steps, draft tokens proposed / accepted,

@@ -33,15 +33,16 @@ from inferd.kv.prefix_cache import NullPrefixCache, PrefixCache
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 layout: KVLayout | None = None, kv_events=None) -> None:  # fmt: skip
-        """`kv_events`: a kv_events publisher the prefix cache reports to (None: none)."""
+                 layout: KVLayout | None = None, kv_events=None, connector=None) -> None:  # fmt: skip
+        """`kv_events`: a kv_events publisher the prefix cache reports to (None: none);
+        `connector`: a KV connector it reports evicted blocks to (inferd/kv/connectors)."""
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.layout = layout or KVLayout.single(1)
         self.windows = self.layout.windows  # per group: its window, None for full attention
         self.num_groups = len(self.windows)
         self.prefix_cache: PrefixCache | NullPrefixCache = (
-            PrefixCache(self.pool, block_size, self.windows, kv_events) if enable_prefix_caching else NullPrefixCache()
+            PrefixCache(self.pool, block_size, self.windows, kv_events, connector) if enable_prefix_caching else NullPrefixCache()
         )
         self.block_tables: dict[int, list[int]] = {}  # group 0's
         self._more_tables: dict[int, list[list[int]]] = {}  # groups 1.. (hybrid layouts)

@@ -23,7 +23,10 @@ is in use.
 
 KV events (kv_events.py): with a publisher attached, every node added is published as stored and
 every node removed as removed, under its chained block hash (block_hash.py); a node is one block
-position whatever its groups hold. Without one, no hash is computed.
+position whatever its groups hold. A KV connector that wants evicted blocks (a KV tier,
+inferd/kv/connectors) hears of every leaf evicted whole with a block in every group: its hash and
+its blocks, whose contents stay in the pool until the next step runs. Without either, no hash is
+computed.
 """
 
 from __future__ import annotations
@@ -57,9 +60,12 @@ class PrefixCache:
     enabled = True
 
     def __init__(self, pool: BlockPool, block_size: int, windows: Sequence[int | None] = (None,),
-                 events=None) -> None:  # fmt: skip
+                 events=None, connector=None) -> None:  # fmt: skip
         self.pool = pool
         self.events = events or NullKVEvents()  # a kv_events publisher
+        # A KV connector told of evicted blocks (inferd/kv/connectors/base.py), or None.
+        self.connector = connector if connector is not None and connector.wants_evicted_blocks else None
+        self._hashing = self.events.enabled or self.connector is not None
         self.block_size = block_size
         self.windows = tuple(windows)  # per KV group: its sliding window, None for full attention
         self.root = _Node((), [_MISSING] * len(self.windows), None)
@@ -142,7 +148,7 @@ class PrefixCache:
                 node.children[key] = child
                 self.num_nodes += 1
                 self.version += 1
-                if self.events.enabled:
+                if self._hashing:
                     child.hash = block_hash(node.hash, key)
                     stored.append(child.hash)
             for g, table in enumerate(tables):
@@ -160,7 +166,8 @@ class PrefixCache:
                     table[i] = cached
             child.last_access = now
             node = child
-        self.events.stored(stored)
+        if self.events.enabled:
+            self.events.stored(stored)
 
     def _drop(self, node: _Node, g: int) -> int:
         block = node.blocks[g]
@@ -192,6 +199,7 @@ class PrefixCache:
         heapq.heapify(heap)
         freed = 0
         removed: list[int] = []
+        evicted: list[tuple[int, list[int]]] = []  # (hash, block per group) for the connector
         while heap and freed < num_blocks:
             _, _, node, g = heapq.heappop(heap)
             if g >= 0:
@@ -202,6 +210,8 @@ class PrefixCache:
                 continue
             parent = node.parent
             del parent.children[node.key]
+            if self.connector is not None and _MISSING not in node.blocks:
+                evicted.append((node.hash, list(node.blocks)))
             for gi in range(len(node.blocks)):
                 freed += self._drop(node, gi)
             self.num_nodes -= 1
@@ -211,6 +221,8 @@ class PrefixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent, -1))
         if self.events.enabled:
             self.events.removed(removed)
+        if evicted:
+            self.connector.blocks_evicted(evicted)
         return freed
 
     def reset(self) -> bool:

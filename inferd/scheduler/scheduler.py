@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferd.config import SchedulerConfig
+from inferd.kv.connectors.base import KVConnectorBase, KVConnectorMetadata, NullConnector
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.sampling.sampler import TokenLogprob
 from inferd.scheduler.sequence import Sequence, SequenceStatus
@@ -38,7 +39,8 @@ class SchedulerOutput:
     - `scratch[seq_id]`: per group, the scratch blocks its draft-tree leaves are verified in;
     - `block_copies` / `slot_copies`: (src, dst) KV copies to apply before the forward pass
       (copy-on-write of shared blocks; accepted leaves moved out of last step's scratch blocks);
-    - `kv_high_water`: blocks of the pool ever handed out (the runner pre-faults ahead of it).
+    - `kv_high_water`: blocks of the pool ever handed out (the runner pre-faults ahead of it);
+    - `kv_connector_meta`: the KV connector's work for this step (loads, saves; None: none).
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -50,6 +52,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     slot_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_high_water: int = 0
+    kv_connector_meta: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -91,12 +94,19 @@ class Scheduler:
     blocks. `schedule()` picks a step's work; `update_from_output()` applies what it produced."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopCriteria | None = None,
-                 cost: StepCost | None = None, clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+                 cost: StepCost | None = None, clock: Callable[[], float] | None = None,
+                 connector: KVConnectorBase | None = None) -> None:  # fmt: skip
         """`cost`: the step cost model the latency budget predicts with (default: learnt from the
         steps the engine times); `clock`: the clock of the sequences' arrival times (for the TTFT
-        target)."""
+        target); `connector`: the KV connector's scheduler side (inferd/kv/connectors/base.py)."""
         self.config = config
         self.kv = kv
+        self.connector = connector or NullConnector(None, None)
+        # Sequences whose external KV arrives asynchronously (admitted with their blocks, not yet
+        # runnable), and finished ones whose blocks stay until the connector's send completes.
+        self.loading: dict[int, Sequence] = {}
+        self.sending: dict[int, Sequence] = {}
+        self.external_hits_tokens = 0  # prompt tokens a connector supplied (within prefix_hits)
         self.stop = stop
         self.budget = StepBudget(config.max_step_latency_factor, config.ttft_slo_ms,
                                  min_chunk=kv.block_size, cost=cost, clock=clock)  # fmt: skip
@@ -115,7 +125,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -136,8 +146,25 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self._cached_len_memo.pop(seq.seq_id, None)
+        self.loading.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
-        self.kv.free(seq.seq_id)
+        tables = self.kv.tables(seq.seq_id) if seq.seq_id in self.kv.block_tables else []
+        keep, seq.kv_transfer_params = self.connector.request_finished(seq, tables)
+        if keep:
+            self.sending[seq.seq_id] = seq  # freed once the connector reports the send done
+        else:
+            self.kv.free(seq.seq_id)
+
+    def finish_kv_transfers(self, sent: set[int], received: set[int]) -> None:
+        """The connector's completed asynchronous transfers (`get_finished`): free the blocks of
+        finished sequences whose send is done; sequences whose KV arrived wait to run."""
+        for seq_id in sent:
+            if self.sending.pop(seq_id, None) is not None:
+                self.kv.free(seq_id)
+        for seq_id in received:
+            seq = self.loading.pop(seq_id, None)
+            if seq is not None:
+                self.add(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if seq.spec.token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
@@ -235,18 +262,38 @@ class Scheduler:
             if self._prefix_in_flight(seq, prefilling):
                 deferred.add(seq.seq_id)  # wait for the running prefill to cache it, then reuse it
                 continue
-            # Reuse the longest cached prefix: only the rest is computed.
-            cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
-            seq.num_computed_tokens = cached
+            if seq.seq_id in self.kv.block_tables:  # its external KV arrived (`finish_kv_transfers`)
+                cached, external = seq.num_computed_tokens, 0
+            else:
+                # Reuse the longest cached prefix, then what the connector holds beyond it: only
+                # the rest is computed.
+                cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+                seq.num_computed_tokens = cached
+                external, load_async = self.connector.get_num_new_matched_tokens(seq, cached)
+                if external and load_async:  # wait for it outside the queue, holding its blocks
+                    if self.kv.allocate_slots(seq.seq_id, cached, external):
+                        self.connector.update_state_after_alloc(seq, self.kv.tables(seq.seq_id), external)
+                        seq.num_computed_tokens = cached + external
+                        self.waiting.remove(seq)
+                        self._cached_len_memo.pop(seq.seq_id, None)
+                        self.loading[seq.seq_id] = seq
+                        continue
+                    external = 0  # no room to receive it: compute it
+                seq.num_computed_tokens = cached + external
             n = self.budget.chunk(seq, self._chunk(seq, min(budget, prefill_room)))
             if n == 0:  # the latency budget is spent: admit it next step
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
                 break
-            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n):
+            if not self.kv.allocate_slots(seq.seq_id, cached, external + n):
                 self.kv.free(seq.seq_id)  # give the cached prefix back; retry in a later step
                 seq.num_computed_tokens = 0
                 break
+            if external:  # loaded before this step's forward (the connector's start_load_kv)
+                seq.num_computed_tokens = cached
+                self.connector.update_state_after_alloc(seq, self.kv.tables(seq.seq_id), external)
+                seq.num_computed_tokens = cached = cached + external
+                self.external_hits_tokens += external
             self.prefix_queries_tokens += seq.num_tokens
             self.prefix_hits_tokens += cached
             if seq.num_preemptions == 0:
@@ -263,6 +310,7 @@ class Scheduler:
             prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.attach_kv(self.kv)
+        out.kv_connector_meta = self.connector.build_connector_meta()
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[Sequence]:

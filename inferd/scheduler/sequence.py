@@ -96,6 +96,8 @@ class Sequence:
     generator: torch.Generator | None = None
     pending_forks: int = 0  # n - 1 until the prompt's first token is sampled, then 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # What the KV connector returned when it finished (`request_finished`), for the client.
+    kv_transfer_params: dict | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None

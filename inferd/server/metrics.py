@@ -93,6 +93,17 @@ _MAX_PENDING = 4096  # inter-token latencies held before they go into the histog
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+
+# What each KV connector counter means (docs/kv-connectors.md); the KV tier's are inferd's own.
+_CONNECTOR_DOCS = {
+    "kv_offload_hits": "Prompt tokens loaded from the KV tier instead of computed.",
+    "kv_offload_bytes_written": "Bytes of KV block files the KV tier wrote.",
+    "kv_offload_bytes_read": "Bytes of KV block files the KV tier read.",
+    "kv_offload_evictions": "KV blocks the tier dropped to stay within its size limits.",
+    "kv_offload_dropped_writes": "Evicted KV blocks not written because the writer's queue was full.",
+    "kv_offload_rejected_files": "KV block files skipped as corrupt, truncated or foreign.",
+}
+
 class _EngineGauges(Collector):
     """Gauges (and the engine's own counters) read from the stats snapshot at scrape time."""
 
@@ -128,6 +139,11 @@ class _EngineGauges(Collector):
                                 labels=["model_name"])  # fmt: skip
         c.add_metric(labels, s.kv_events_dropped_total)
         yield c
+        for name, value in s.kv_connector.items():  # the KV connector's counters
+            c = CounterMetricFamily(f"inferd:{name}", _CONNECTOR_DOCS.get(name, "KV connector counter."),
+                                    labels=["model_name"])  # fmt: skip
+            c.add_metric(labels, value)
+            yield c
         if s.spec_method:  # speculative decoding on: its counters, labelled by proposer method
             for name, doc, value in (
                 ("spec_decode_num_drafts", "Verification steps of speculative drafts.", s.spec_num_drafts),
