@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inferd.kv.connectors.pd.handshake import KVLayoutMismatch
-from inferd.kv.connectors.pd.layout import KVLayoutInfo
+from inferd.kv.connectors.layout import KVBlockLayout
 from inferd.kv.connectors.pd.transport import (
     BlockIO,
     KVReceiver,
@@ -37,8 +37,10 @@ def _cache(kv_cache_dtype: str = "auto", seed: int = 0) -> KVCache:
     return cache
 
 
-def _layout(cache: KVCache, kv_cache_dtype: str = "auto", fingerprint: str = "m1") -> KVLayoutInfo:
-    return KVLayoutInfo.of(cache, kv_cache_dtype, BS, fingerprint)
+def _layout(cache: KVCache, kv_cache_dtype: str = "auto") -> KVBlockLayout:
+    layers, planes, _, bs, heads, head_dim = cache.data.shape
+    stored = "int8" if kv_cache_dtype == "int8" else "float32"
+    return KVBlockLayout("m1", stored, bs, 1, layers, planes, heads, head_dim, cache.scales is not None)
 
 
 @pytest.fixture
@@ -96,9 +98,9 @@ def test_unpulled_transfer_expires(pair):
 
 @pytest.mark.parametrize(
     "change, field",
-    [({"fingerprint": "other-model"}, "fingerprint"), ({"block_size": 8}, "block_size"),
-     ({"storage_dtype": "float16"}, "storage_dtype"), ({"num_layers": 2}, "num_layers"),
-     ({"num_kv_heads": 1}, "num_kv_heads"), ({"head_dim": 16}, "head_dim")],
+    [({"model_fingerprint": "other-model"}, "model_fingerprint"), ({"block_size": 8}, "block_size"),
+     ({"kv_dtype": "float16"}, "kv_dtype"), ({"group_layers": 2}, "group_layers"),
+     ({"kv_heads": 1}, "kv_heads"), ({"head_dim": 16}, "head_dim")],
 )  # fmt: skip
 def test_mismatched_layout_is_refused_at_the_handshake(pair, change, field):
     src, dst, sender, receiver = pair(receiver_layout=lambda c: dataclasses.replace(_layout(c), **change))

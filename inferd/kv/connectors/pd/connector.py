@@ -277,6 +277,11 @@ class PDConnector(KVConnectorBase):
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
 
+    def histograms(self) -> dict[str, tuple[tuple[float, ...], list[int], float]]:
+        if not self.receives:
+            return {}
+        return {"kv_transfer_latency_seconds": (LATENCY_BUCKETS, list(self.latency_counts), self.latency_sum)}
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
