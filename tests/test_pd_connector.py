@@ -18,7 +18,11 @@ PROMPT = list(range(5, 5 + 37))  # 4 whole blocks and 5 tokens
 
 
 def _engine(path: str, role: str | None, **extra) -> EngineCore:
-    kv = KVTransferConfig("PDConnector", role, {"pull_timeout_s": 2, **extra}) if role else KVTransferConfig()
+    kv = (
+        KVTransferConfig("PDConnector", role, {"pull_timeout_s": 2, **extra})
+        if role
+        else KVTransferConfig()
+    )
     config = EngineConfig(model=path, dtype="float32", quantization="none", log_stats_interval=0,
                           cache=CacheConfig(kv_cache_memory=4 << 20, block_size=BS), kv_transfer=kv)  # fmt: skip
     return EngineCore(config, verbose=False)
@@ -27,13 +31,19 @@ def _engine(path: str, role: str | None, **extra) -> EngineCore:
 @pytest.fixture(scope="module")
 def engines(tiny_llama_hf):
     path = str(tiny_llama_hf.path)
-    made = {"prefill": _engine(path, "kv_producer"), "decode": _engine(path, "kv_consumer"), "alone": _engine(path, None)}
+    made = {
+        "prefill": _engine(path, "kv_producer"),
+        "decode": _engine(path, "kv_consumer"),
+        "alone": _engine(path, None),
+    }
     yield made
     for core in made.values():
         core.close()
 
 
-def _run(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams, timeout: float = 60) -> dict:
+def _run(
+    core: EngineCore, rid: str, prompt: list[int], params: SamplingParams, timeout: float = 60
+) -> dict:
     core.add_request(rid, prompt, params)
     tokens: list[int] = []
     deadline = time.monotonic() + timeout
@@ -44,7 +54,11 @@ def _run(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams, 
                 tokens += d.new_token_ids
     out = core.pop_finished(rid)
     assert out.outputs[0].token_ids == tokens
-    return {"tokens": tokens, "handle": out.kv_transfer_params, "finish": out.outputs[0].finish_reason}
+    return {
+        "tokens": tokens,
+        "handle": out.kv_transfer_params,
+        "finish": out.outputs[0].finish_reason,
+    }
 
 
 def _settle(*cores: EngineCore) -> None:
@@ -92,19 +106,30 @@ def test_decode_continues_the_prefill_and_matches_one_engine(engines, params) ->
 
 
 def test_only_the_blocks_beyond_the_local_hit_are_pulled(engines) -> None:
-    decode, params = engines["decode"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode, params = (
+        engines["decode"],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    )
     decode.reset_prefix_cache()
     _run(decode, "local", PROMPT[:24] + [200, 201, 202], params)  # caches 3 whole blocks here
     before = dict(_stats(decode))
     want = _run(engines["alone"], "r", PROMPT, params)["tokens"]
     assert _pd(engines, "r", PROMPT, params)["tokens"] == want
-    assert _stats(decode)["kv_transfer_received_tokens"] - before["kv_transfer_received_tokens"] == len(PROMPT) - 24
-    assert _stats(decode)["kv_transfer_received_blocks"] - before["kv_transfer_received_blocks"] == 2
+    assert (
+        _stats(decode)["kv_transfer_received_tokens"] - before["kv_transfer_received_tokens"]
+        == len(PROMPT) - 24
+    )
+    assert (
+        _stats(decode)["kv_transfer_received_blocks"] - before["kv_transfer_received_blocks"] == 2
+    )
     _settle(engines["prefill"], decode)
 
 
 def test_a_failed_pull_is_recomputed(engines) -> None:
-    decode, params = engines["decode"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    decode, params = (
+        engines["decode"],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    )
     want = _run(engines["alone"], "r", PROMPT, params)["tokens"]
     failures = _stats(decode)["kv_transfer_failures"]
     computed = decode.scheduler.num_prompt_tokens_computed
@@ -133,7 +158,12 @@ def test_an_abort_mid_pull_frees_the_blocks_once_the_pull_ends(engines) -> None:
 def test_unpulled_blocks_are_freed_at_the_send_timeout(tiny_llama_hf) -> None:
     prefill = _engine(str(tiny_llama_hf.path), "kv_producer", send_timeout_s=0.2)
     try:
-        out = _run(prefill, "r", PROMPT, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        out = _run(
+            prefill,
+            "r",
+            PROMPT,
+            SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        )
         assert out["handle"] is not None and prefill.has_pending_kv_transfers()
         _settle(prefill)
     finally:

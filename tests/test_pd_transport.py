@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from inferd.kv.connectors.pd.handshake import KVLayoutMismatch
 from inferd.kv.connectors.layout import KVBlockLayout
+from inferd.kv.connectors.pd.handshake import KVLayoutMismatch
 from inferd.kv.connectors.pd.transport import (
     BlockIO,
     KVReceiver,
@@ -40,7 +40,9 @@ def _cache(kv_cache_dtype: str = "auto", seed: int = 0) -> KVCache:
 def _layout(cache: KVCache, kv_cache_dtype: str = "auto") -> KVBlockLayout:
     layers, planes, _, bs, heads, head_dim = cache.data.shape
     stored = "int8" if kv_cache_dtype == "int8" else "float32"
-    return KVBlockLayout("m1", stored, bs, 1, layers, planes, heads, head_dim, cache.scales is not None)
+    return KVBlockLayout(
+        "m1", stored, bs, 1, layers, planes, heads, head_dim, cache.scales is not None
+    )
 
 
 @pytest.fixture
@@ -69,10 +71,18 @@ def _handle(sender: KVSender, tid: str = "t1") -> dict:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_pull_copies_blocks_and_release_frees(pair, transport, kv_cache_dtype):
     src, dst, sender, receiver = pair(kv_cache_dtype, transport)
-    sender.register("t1", Outgoing([5, 6, 7, 8, 9, 10, 11], 7, [7, 2, 4], {"first_token": 3}, time.monotonic() + 60))
+    sender.register(
+        "t1",
+        Outgoing([5, 6, 7, 8, 9, 10, 11], 7, [7, 2, 4], {"first_token": 3}, time.monotonic() + 60),
+    )
     # The receiver has the first block already (a prefix-cache hit): it pulls blocks [1, 3).
     got = receiver.pull(_handle(sender), 1, [0, 9])
-    assert (got.token_ids, got.num_tokens, got.extra, got.num_blocks) == ([5, 6, 7, 8, 9, 10, 11], 7, {"first_token": 3}, 2)
+    assert (got.token_ids, got.num_tokens, got.extra, got.num_blocks) == (
+        [5, 6, 7, 8, 9, 10, 11],
+        7,
+        {"first_token": 3},
+        2,
+    )
     assert torch.equal(dst.data[:, :, [0, 9]], src.data[:, :, [2, 4]])
     assert not dst.data[:, :, [1, 2, 3, 5, 6, 7, 8]].any()
     if kv_cache_dtype == "int8":
@@ -103,7 +113,9 @@ def test_unpulled_transfer_expires(pair):
      ({"kv_heads": 1}, "kv_heads"), ({"head_dim": 16}, "head_dim")],
 )  # fmt: skip
 def test_mismatched_layout_is_refused_at_the_handshake(pair, change, field):
-    src, dst, sender, receiver = pair(receiver_layout=lambda c: dataclasses.replace(_layout(c), **change))
+    _src, dst, sender, receiver = pair(
+        receiver_layout=lambda c: dataclasses.replace(_layout(c), **change)
+    )
     sender.register("t1", Outgoing([1, 2], 2, [3], {}, time.monotonic() + 60))
     with pytest.raises(KVLayoutMismatch, match=field):
         receiver.handshake(sender.endpoint)

@@ -31,8 +31,7 @@ import aiohttp
 from inferd.bench.common import stats_ms
 from inferd.bench.serve import Prompt, RequestResult, _send
 
-_WORDS = ("river stone cloud light market garden winter paper signal orbit harbor lantern "
-          "meadow engine copper violet thunder canyon").split()  # fmt: skip
+_WORDS = ["river", "stone", "cloud", "light", "market", "garden", "winter", "paper", "signal", "orbit", "harbor", "lantern", "meadow", "engine", "copper", "violet", "thunder", "canyon"]  # fmt: skip
 
 
 def _free_port() -> int:
@@ -43,13 +42,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], cpus: list[int], threads: int, log_path: str) -> tuple[subprocess.Popen, str]:
+def _start(
+    args: list[str], cpus: list[int], threads: int, log_path: str
+) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     log = open(log_path, "w")  # noqa: SIM115 — the server's lifetime
     cmd = [sys.executable, "-m", "inferd.cli", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    os.sched_setaffinity(proc.pid, cpus)  # before the engine starts its threads (they inherit it)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -95,8 +96,13 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
         async def stream(k: int) -> None:
             n = 0
             while time.perf_counter() < stop_at:
-                p = Prompt(f"Stream {k}.{n}: tell a long story about the {_WORDS[k % len(_WORDS)]}.", args.decode_tokens)
-                decodes.append(await _send(session, endpoint, "completions", "m", p, ignore_eos=True))
+                p = Prompt(
+                    f"Stream {k}.{n}: tell a long story about the {_WORDS[k % len(_WORDS)]}.",
+                    args.decode_tokens,
+                )
+                decodes.append(
+                    await _send(session, endpoint, "completions", "m", p, ignore_eos=True)
+                )
                 n += 1
 
         async def long_prompts() -> None:
@@ -104,7 +110,11 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
             await asyncio.sleep(args.long_interval / 2)  # the streams are decoding by then
             while time.perf_counter() < stop_at:
                 p = Prompt(_long_prompt(i, args.long_prompt_tokens), args.long_output_tokens)
-                tasks.append(asyncio.create_task(_send(session, endpoint, "completions", "m", p, ignore_eos=True)))
+                tasks.append(
+                    asyncio.create_task(
+                        _send(session, endpoint, "completions", "m", p, ignore_eos=True)
+                    )
+                )
                 i += 1
                 await asyncio.sleep(args.long_interval)
             longs.extend(await asyncio.gather(*tasks))
@@ -172,7 +182,7 @@ def run_pd(args: argparse.Namespace) -> dict:
                 proc.wait(60)
     report["load_average_after"] = os.getloadavg()
     c, p = report["colocated"], report["pd"]
-    ratio = lambda k, q: (p[k][q] / c[k][q]) if p[k][q] and c[k][q] else None  # noqa: E731
+    ratio = lambda k, q: (p[k][q] / c[k][q]) if p[k][q] and c[k][q] else None
     report["pd_over_colocated"] = {"decode_itl_p50": ratio("decode_itl_ms", "p50"),
                                    "decode_itl_p99": ratio("decode_itl_ms", "p99"),
                                    "long_ttft_p50": ratio("long_ttft_ms", "p50"),
@@ -194,7 +204,9 @@ def add_pd_parser(sub) -> None:
     p.add_argument("model")
     p.add_argument("--streams", type=int, default=16, help="concurrent decode streams")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
-    p.add_argument("--long-prompt-tokens", type=int, default=2048, help="words in each long prompt (~tokens)")
+    p.add_argument(
+        "--long-prompt-tokens", type=int, default=2048, help="words in each long prompt (~tokens)"
+    )
     p.add_argument("--long-output-tokens", type=int, default=4)
     p.add_argument("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each setup runs")

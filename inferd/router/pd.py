@@ -49,7 +49,11 @@ def carried(path: str, body: dict[str, Any]) -> bool:
 
 def prefill_body(path: str, body: dict[str, Any]) -> bytes:
     """The prefill leg's request: the client's, stopped after the first token, not streamed."""
-    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    leg = {
+        k: v
+        for k, v in body.items()
+        if k not in ("stream", "stream_options", "max_completion_tokens")
+    }
     leg["max_tokens"] = 1
     if isinstance(body.get("min_tokens"), int):
         leg["min_tokens"] = min(body["min_tokens"], 1)  # EOS held back from the first token alike
@@ -72,13 +76,17 @@ class PDForwarder:
             return await self.decode.forward(path, body, headers, key, started)
         handle = None
         try:
-            answer = await self.prefill.forward(path, prefill_body(path, parsed), headers, key, started)
+            answer = await self.prefill.forward(
+                path, prefill_body(path, parsed), headers, key, started
+            )
         except APIError as e:  # no healthy prefill worker: the decode side computes it all
             logger.warning("prefill leg skipped: %s", e)
         else:
             if answer.status_code != 200:
                 if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
-                    return answer  # the client's request is at fault: the decode side would say so too
+                    return (
+                        answer  # the client's request is at fault: the decode side would say so too
+                    )
                 logger.warning("prefill leg answered %d; decoding alone", answer.status_code)
             else:
                 try:

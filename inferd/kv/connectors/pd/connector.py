@@ -65,14 +65,20 @@ def pd_options(extra: dict[str, Any]) -> dict[str, Any]:
     """kv_connector_extra_config → the connector's options; ValueError naming a bad one."""
     unknown = sorted(set(extra) - set(_EXTRA))
     if unknown:
-        raise ValueError(f"PDConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(_EXTRA)}")
+        raise ValueError(
+            f"PDConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(_EXTRA)}"
+        )
     opts = {**_EXTRA, **extra}
     check_transport(opts["kv_transport"])
     for key in ("send_timeout_s", "pull_timeout_s"):
         if not isinstance(opts[key], (int, float)) or opts[key] <= 0:
-            raise ValueError(f"PDConnector: {key} must be a positive number of seconds, got {opts[key]!r}")
+            raise ValueError(
+                f"PDConnector: {key} must be a positive number of seconds, got {opts[key]!r}"
+            )
     if not isinstance(opts["kv_port"], int) or not 0 <= opts["kv_port"] < 65536:
-        raise ValueError(f"PDConnector: kv_port must be a port number (0: any free one), got {opts['kv_port']!r}")
+        raise ValueError(
+            f"PDConnector: kv_port must be a port number (0: any free one), got {opts['kv_port']!r}"
+        )
     return opts
 
 
@@ -126,10 +132,14 @@ class PDConnector(KVConnectorBase):
         if self.io is None:
             self.io = BlockIO(kv_cache)
             if self.sends:
-                self.sender = KVSender(self.io, self.layout, self.opts["kv_ip"], self.opts["kv_port"])
+                self.sender = KVSender(
+                    self.io, self.layout, self.opts["kv_ip"], self.opts["kv_port"]
+                )
                 logger.info("KV transfer: sending from %s", self.sender.endpoint)
             if self.receives:
-                self.receiver = KVReceiver(self.io, self.layout, self.opts["pull_timeout_s"], self.opts["kv_transport"])
+                self.receiver = KVReceiver(
+                    self.io, self.layout, self.opts["pull_timeout_s"], self.opts["kv_transport"]
+                )
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-kv-pull")
         else:
             self.io.kv = kv_cache  # a resized pool (before any request runs)
@@ -140,7 +150,9 @@ class PDConnector(KVConnectorBase):
         p = request.params.kv_transfer_params
         return p if isinstance(p, dict) else {}
 
-    def get_num_new_matched_tokens(self, request: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Sequence, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         p = self._params(request)
         if not (self.receives and p.get("do_remote_prefill")) or request.seq_id in self._no_load:
             return 0, False
@@ -156,7 +168,9 @@ class PDConnector(KVConnectorBase):
             return 0, False
         return n - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Sequence, blocks: list[list[int]], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Sequence, blocks: list[list[int]], num_external_tokens: int
+    ) -> None:
         if not num_external_tokens:
             return
         bs = self.layout.block_size
@@ -171,14 +185,19 @@ class PDConnector(KVConnectorBase):
         meta, self._planned = PDMetadata(self._planned), []
         return meta
 
-    def request_finished(self, request: Sequence, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Sequence, block_ids: list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if request.seq_id in self._in_flight:  # aborted while its blocks are being written
             self._orphans.add(request.seq_id)
             return True, None
         self._no_load.discard(request.seq_id)
         self._first_tokens.pop(request.seq_id, None)
         p = self._params(request)
-        if not (self.sends and p.get("do_remote_decode")) or request.finish_reason in ("abort", "error"):
+        if not (self.sends and p.get("do_remote_decode")) or request.finish_reason in (
+            "abort",
+            "error",
+        ):
             return False, None
         if self.sender is None or not block_ids or request.num_output_tokens < 1:
             return False, None
@@ -209,18 +228,23 @@ class PDConnector(KVConnectorBase):
         """On the pull thread: copy the blocks in, release the sender, report the outcome."""
         try:
             got = self.receiver.pull(load.handle, load.first_block, load.local_blocks)
-            if got.num_tokens != load.num_tokens or len(got.extra.get("output_token_ids") or ()) != 1:
-                raise KVTransferError(f"the sender holds {got.num_tokens} tokens, {load.num_tokens} expected")
+            if (
+                got.num_tokens != load.num_tokens
+                or len(got.extra.get("output_token_ids") or ()) != 1
+            ):
+                raise KVTransferError(
+                    f"the sender holds {got.num_tokens} tokens, {load.num_tokens} expected"
+                )
             outcome: Any = got
         except (KVTransferError, KVLayoutMismatch, OSError, ValueError, KeyError) as e:
             outcome = e
-        except Exception as e:  # noqa: BLE001 — reported, never raised on a worker thread
+        except Exception as e:
             logger.exception("KV pull failed")
             outcome = e
         if not isinstance(outcome, KVTransferError) or "did not answer" not in str(outcome):
             try:
                 self.receiver.release(load.handle)  # the sender may free its blocks now
-            except Exception:  # noqa: BLE001 — it frees them at its timeout instead
+            except Exception:
                 logger.debug("release of %s failed", load.handle.get("transfer_id"), exc_info=True)
         self._outcomes.put((load.seq_id, (load, outcome)))
 
@@ -280,7 +304,13 @@ class PDConnector(KVConnectorBase):
     def histograms(self) -> dict[str, tuple[tuple[float, ...], list[int], float]]:
         if not self.receives:
             return {}
-        return {"kv_transfer_latency_seconds": (LATENCY_BUCKETS, list(self.latency_counts), self.latency_sum)}
+        return {
+            "kv_transfer_latency_seconds": (
+                LATENCY_BUCKETS,
+                list(self.latency_counts),
+                self.latency_sum,
+            )
+        }
 
     def shutdown(self) -> None:
         if self._pool is not None:

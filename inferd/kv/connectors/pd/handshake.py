@@ -25,7 +25,11 @@ def check_layout(mine: Any, peer: Any, peer_name: str = "the peer") -> None:
     names = [f.name for f in dataclasses.fields(mine)]
     if not isinstance(peer, dict) or sorted(peer) != sorted(names):
         raise KVLayoutMismatch(f"malformed KV layout from {peer_name}: {peer!r}")
-    diffs = [f"{n}: here {getattr(mine, n)!r}, {peer_name} {peer[n]!r}" for n in names if getattr(mine, n) != peer[n]]
+    diffs = [
+        f"{n}: here {getattr(mine, n)!r}, {peer_name} {peer[n]!r}"
+        for n in names
+        if getattr(mine, n) != peer[n]
+    ]
     if diffs:
         raise KVLayoutMismatch(
             f"KV layouts differ, blocks cannot be transferred ({'; '.join(diffs)}): run the prefill "

@@ -80,7 +80,9 @@ class BlockIO:
     def block_bytes(self) -> int:
         return sum(p[:, :, :1].numel() * p.element_size() for p in self.pools)
 
-    def gather(self, blocks: Sequence[int], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def gather(
+        self, blocks: Sequence[int], out: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         ids = torch.tensor(list(blocks), dtype=torch.long, device=self.kv.data.device)
         if out is None:
             return [p.index_select(2, ids).cpu() for p in self.pools]
@@ -225,7 +227,11 @@ class KVSender:
                         f.truncate(_numel(shape) * pool.element_size())
                     o.files.append(path)
                     paths.append(path)
-                    outs.append(torch.from_file(path, shared=True, size=_numel(shape), dtype=pool.dtype).view(shape))
+                    outs.append(
+                        torch.from_file(
+                            path, shared=True, size=_numel(shape), dtype=pool.dtype
+                        ).view(shape)
+                    )
                 self.io.gather(blocks, outs)
                 del outs
                 head["shm"] = paths
@@ -267,7 +273,9 @@ class Pulled:
 class KVReceiver:
     """The decode side: pulls a transfer's blocks into blocks its engine allocated."""
 
-    def __init__(self, io: BlockIO, layout: Any, timeout_s: float = 10.0, transport: str = "auto") -> None:
+    def __init__(
+        self, io: BlockIO, layout: Any, timeout_s: float = 10.0, transport: str = "auto"
+    ) -> None:
         import zmq
 
         check_transport(transport)
@@ -323,7 +331,11 @@ class KVReceiver:
             parts = []
             try:
                 for path, shape, pool in zip(head["shm"], shapes, self.io.pools):
-                    parts.append(torch.from_file(path, shared=True, size=_numel(shape), dtype=pool.dtype).view(shape))
+                    parts.append(
+                        torch.from_file(
+                            path, shared=True, size=_numel(shape), dtype=pool.dtype
+                        ).view(shape)
+                    )
                 self.io.scatter(local_blocks, parts)
             except (OSError, RuntimeError) as e:
                 raise KVTransferError(f"shared memory from {endpoint}: {e}") from e
