@@ -33,6 +33,8 @@ _NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
 # vLLM's JSON form of KVTransferConfig's fields; a field also given on its own wins.
 _KV_TRANSFER = "kv_transfer_config"
+# --kv-role's choices → vLLM's kv_role for the PD connector (inferd/kv/connectors/pd).
+_PD_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
 def _engine_arg_owners() -> dict[str, type]:
@@ -182,6 +184,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--kv-transfer-config", default=None,
                    help='a KV connector as vLLM configures one: \'{"kv_connector": NAME, "kv_role": '
                    '"kv_both", "kv_connector_extra_config": {...}}\' (docs/kv-connectors.md)')  # fmt: skip
+    g.add_argument("--kv-role", dest="pd_role", choices=tuple(_PD_ROLES), default=None,
+                   help="prefill/decode disaggregation (behind `inferd router --pd-disaggregation`): "
+                   "this worker computes prompts (prefill), generates from KV pulled off prefill "
+                   "workers (decode), or either (both); short for --kv-transfer-config "
+                   '\'{"kv_connector": "PDConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}\'')  # fmt: skip
     add("--kv-offload-dir", "KV tier on disk: prefix-cache blocks evicted from memory are kept "
         "here (content-addressed, reused after a restart and by replicas sharing the directory) "
         "and loaded back instead of recomputed (default: off)")
@@ -220,4 +227,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         given = KVTransferConfig.parse_json(args.kv_transfer_config)
         defaults = {n: engine_arg_default(n) for n in given}
         values.update({k: v for k, v in given.items() if values.get(k, defaults[k]) == defaults[k]})
+    role = getattr(args, "pd_role", None)
+    if role is not None:
+        if values.get("kv_connector") not in (None, "PDConnector"):
+            raise ValueError(f"--kv-role is the PD connector's short form, but --kv-transfer-config "
+                             f"names {values['kv_connector']!r}")  # fmt: skip
+        values["kv_connector"], values["kv_role"] = "PDConnector", _PD_ROLES[role]
     return build_engine_config(**values)

@@ -7,6 +7,7 @@ def add_bench_parser(sub) -> None:
     from inferd.bench.allreduce import add_allreduce_parser
     from inferd.bench.latency import add_latency_parser
     from inferd.bench.offline import add_offline_parser
+    from inferd.bench.pd import add_pd_parser
     from inferd.bench.prefix import add_prefix_parser
     from inferd.bench.roofline import add_roofline_parser
     from inferd.bench.router_overhead import add_router_overhead_parser
@@ -27,3 +28,4 @@ def add_bench_parser(sub) -> None:
     add_soak_parser(bench_sub)
     add_router_overhead_parser(bench_sub)
     add_allreduce_parser(bench_sub)
+    add_pd_parser(bench_sub)

@@ -47,7 +47,7 @@ from inferd.models import build_model, model_spec
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes, weight_bytes_by_mode
 from inferd.sampling.params import SamplingParams
-from inferd.sampling.sampler import Sampler, TokenLogprob
+from inferd.sampling.sampler import Sampler, TokenLogprob, skip_draws
 from inferd.scheduler.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from inferd.scheduler.sequence import Logprob, Sequence
 from inferd.scheduler.step_budget import step_shape
@@ -423,11 +423,13 @@ class EngineCore:
         start = time.perf_counter()
         done = self.connector.get_finished(self._finished_seq_ids)
         self._finished_seq_ids = []
-        self.scheduler.finish_kv_transfers(*done)
+        arrived = self._arrived(*self.scheduler.finish_kv_transfers(*done, self.connector.get_failed_loads()))
         out = self.scheduler.schedule()
         if out.is_empty:
+            if out.kv_connector_meta is not None:  # asynchronous loads only: start them now
+                self.runner.connector.start_load_kv(out.kv_connector_meta)
             self._refresh_stats()
-            return []
+            return arrived
         shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on
         self.spec.begin_step(out)
         masks = self._grammar_masks(out)
@@ -435,14 +437,29 @@ class EngineCore:
         self.spec.end_forward(out)
         sampled = self._sample(logits, batch, masks) + self.spec.verify(logits, batch)
         finished = self.scheduler.update_from_output(out, sampled)
-        self._finished_seq_ids = [seq.seq_id for seq in finished]
+        self._finished_seq_ids += [seq.seq_id for seq in finished]
         self.spec.observe(out, sampled, batch)
-        deltas = self._outputs(sampled, finished)
+        deltas = arrived + self._outputs(sampled, finished)
         # The step as its streams feel it, scheduling to outputs: what the latency budget bounds.
         self.scheduler.budget.record(shape, time.perf_counter() - start)
         self._refresh_stats()
         self.stats_logger.maybe_log(self.stats)
         return deltas
+
+    def _arrived(self, appended: list[SampledTokens], finished: list[Sequence]) -> list[SequenceDelta]:
+        """Deltas of the tokens another engine sampled for sequences whose KV arrived (PD's first
+        token); a seeded sequence's generator skips the draws they took there."""
+        if not appended:
+            return []
+        for s in appended:
+            if s.seq.generator is not None:
+                skip_draws(s.seq.generator, s.num_appended)
+        self._finished_seq_ids += [seq.seq_id for seq in finished]
+        return self._outputs(appended, finished)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for a KV send (PD's prefill side): freed by a later `step`."""
+        return bool(self.scheduler.sending) or self.connector.has_pending_sends()
 
     def _grammar_masks(self, out: SchedulerOutput):
         """Start filling the grammar masks of the sequences that sample one token this step (they
@@ -569,6 +586,7 @@ class EngineCore:
         s.num_cached_blocks = self.kv.prefix_cache.num_nodes
         s.kv_events_dropped_total = getattr(self.kv_events, "dropped", 0)
         s.kv_connector = self.connector.stats()
+        s.kv_connector_histograms = self.connector.histograms()
         budget = sched.budget
         s.step_budget_capped_steps_total = budget.num_capped_steps
         s.step_budget_ttft_rescues_total = budget.num_slo_rescues

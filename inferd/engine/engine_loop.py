@@ -32,6 +32,9 @@ logger = logging.getLogger("inferd.async_engine")
 
 # While a grammar compiles and nothing else runs, look for it this often (seconds).
 _COMPILE_POLL_S = 0.002
+# While blocks wait for a KV send to complete (PD's prefill side) and nothing runs: how often the
+# engine asks the connector whether they may go.
+_KV_POLL_S = 0.005
 # Held news (stream_interval, stream=False requests): a step's metrics wait at most this long.
 _REPORT_EVERY_S = 0.1
 # A step's report carries a snapshot of the engine's stats when a request started or ended in it,
@@ -259,6 +262,8 @@ class EngineLoop:
         while True:
             if self.core.has_unfinished_requests():
                 timeout: float | None = 0.0
+            elif self.core.has_pending_kv_transfers():
+                timeout = _KV_POLL_S  # blocks wait for a KV send to complete
             else:
                 timeout = _COMPILE_POLL_S if self._compiling else None  # idle: sleep
             commands = take(timeout)
@@ -293,6 +298,10 @@ class EngineLoop:
         stepped = core.has_unfinished_requests()
         if stepped:
             self._step(updates, scheduled, report, ended)
+        elif core.has_pending_kv_transfers():
+            core.step()  # nothing runs: it frees the blocks of completed KV sends
+            if not commands and not accepted:
+                return
         elif not commands and not accepted and not report.finished:
             # An idle poll while a grammar compiles (every 2 ms): nothing happened, and a
             # message would wake the front end for nothing.

@@ -37,6 +37,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # What the KV connector returned when the request finished (a PD transfer handle), vLLM's.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(slots=True)

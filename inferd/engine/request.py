@@ -41,4 +41,4 @@ class Request:
             for seq in sorted(self.seqs, key=lambda s: s.index)
         ]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, self.metrics)  # fmt: skip
+                             self.finished, self.metrics, self.seqs[0].kv_transfer_params)  # fmt: skip

@@ -27,6 +27,8 @@ class EngineStats:
     kv_events_dropped_total: int = 0  # KV events a full publisher queue dropped (kv_events.py)
     # The KV connector's counters (inferd/kv/connectors/base.py `stats`): name → count since start.
     kv_connector: dict[str, int] = field(default_factory=dict)
+    # ... and its histograms (`histograms`): name → (bucket bounds, counts per bucket and +Inf, sum).
+    kv_connector_histograms: dict[str, tuple] = field(default_factory=dict)
     prompt_throughput: float = 0.0  # tokens/s over the last logging interval
     generation_throughput: float = 0.0
     # Speculative decoding ("" when off): verification steps, draft tokens proposed / accepted,

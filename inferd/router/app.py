@@ -4,6 +4,10 @@ Generation requests are read once (to compute the routing key) and forwarded byt
 (proxy.py). /v1/models is answered by a healthy worker. /health is 200 while any worker is
 healthy (and, at the start, once the routing key's tokenizer is settled). `POST /workers`, `DELETE /workers/{url}`, `GET /workers` manage the workers at run time;
 /metrics is the router's own (metrics.py).
+
+With `prefill_urls` (`--pd-disaggregation`), the workers are the decode pool and each request
+goes through a prefill worker first (pd.py); /health then needs a healthy decode worker (a
+request whose prefill leg cannot run is decoded alone).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from inferd.loader import load_tokenizer
 from inferd.router.keys import RequestKeys
 from inferd.router.kv_subscriber import KVEventSubscriber
 from inferd.router.metrics import CONTENT_TYPE, RouterMetrics
+from inferd.router.pd import PDForwarder
 from inferd.router.policy import RoutingPolicy
 from inferd.router.proxy import Forwarder
 from inferd.router.workers import Worker, WorkerPool
@@ -43,8 +48,12 @@ class RouterConfig:
     health_check_interval: float = 5.0
     health_failure_threshold: int = 2
     max_request_bytes: int = 10 << 20
+    # PD disaggregation: the prefill pool (worker_urls are then the decode pool).
+    prefill_urls: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_urls is not None and (not self.prefill_urls or not self.worker_urls):
+            raise ValueError("--pd-disaggregation needs at least one --prefill and one --decode URL")
         if self.kv_events is not None and len(self.kv_events) != len(self.worker_urls):
             raise ValueError(f"--kv-events gives {len(self.kv_events)} endpoints for "
                              f"{len(self.worker_urls)} --worker-urls: give one per worker, in order")  # fmt: skip
@@ -57,9 +66,9 @@ class RouterConfig:
             )
 
 
-def _worker_json(w: Worker) -> dict[str, Any]:
-    return {"url": w.url, "healthy": w.healthy, "load": w.load,
-            "kv_events_endpoint": w.kv_events_endpoint}  # fmt: skip
+def _worker_json(w: Worker, role: str | None = None) -> dict[str, Any]:
+    d = {"url": w.url, "healthy": w.healthy, "load": w.load, "kv_events_endpoint": w.kv_events_endpoint}
+    return d if role is None else {**d, "role": role}
 
 
 def _json_object(body: bytes) -> dict:
@@ -72,9 +81,17 @@ def _json_object(body: bytes) -> dict:
     return parsed
 
 
-def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
-    """The app; workers are probed from its start (none is routed to before its /health is 200)."""
+def build_router_app(config: RouterConfig, policy: RoutingPolicy,
+                     prefill_policy: RoutingPolicy | None = None) -> FastAPI:  # fmt: skip
+    """The app; workers are probed from its start (none is routed to before its /health is 200).
+    `prefill_policy`: how the prefill pool is chosen from (PD; default: as `policy`, a copy)."""
     pool = WorkerPool(policy, config.health_check_interval, config.health_failure_threshold)
+    prefill_pool: WorkerPool | None = None
+    if config.prefill_urls is not None:
+        prefill_pool = WorkerPool(prefill_policy or type(policy)(), config.health_check_interval,
+                                  config.health_failure_threshold)  # fmt: skip
+        for url in config.prefill_urls:
+            prefill_pool.add(url)
     endpoints = config.kv_events or [None] * len(config.worker_urls)
     for url, endpoint in zip(config.worker_urls, endpoints):
         pool.add(url, endpoint)  # ValueError for a bad or repeated URL, before the port opens
@@ -112,6 +129,11 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
         pool.on_down.append(subscriber.unsubscribe)
         pool.on_up.append(on_worker_up)
         app.state.forwarder = Forwarder(pool, metrics, session)
+        prefill_health = None
+        if prefill_pool is not None:
+            app.state.pd = PDForwarder(Forwarder(prefill_pool, metrics, session), app.state.forwarder)
+            await prefill_pool.probe_all(session)
+            prefill_health = asyncio.create_task(prefill_pool.run(session))
         await pool.probe_all(session)  # healthy workers route from the first request
         if "tokenizer_task" in state:  # the keys of the first requests are already token ids
             await state["tokenizer_task"]
@@ -120,11 +142,14 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
             yield
         finally:
             health.cancel()
+            if prefill_health is not None:
+                prefill_health.cancel()
             subscriber.close()
             await session.close()
 
     app = FastAPI(title="inferd router", version=inferd.__version__, lifespan=lifespan)
     app.state.pool = pool
+    app.state.prefill_pool = prefill_pool
     install_error_handlers(app)
 
     async def generate(raw: Request, key_of) -> Response:
@@ -132,7 +157,10 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
         body = await raw.body()
         if len(body) > config.max_request_bytes:
             raise APIError(413, f"the request body is over {config.max_request_bytes} bytes")
-        key = key_of(_json_object(body))
+        parsed = _json_object(body)
+        key = key_of(parsed)
+        if prefill_pool is not None:
+            return await raw.app.state.pd.forward(raw.url.path, body, parsed, dict(raw.headers), key, started)
         return await raw.app.state.forwarder.forward(
             raw.url.path, body, dict(raw.headers), key, started
         )
@@ -175,7 +203,10 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy) -> FastAPI:
 
     @app.get("/workers")
     async def list_workers() -> dict[str, Any]:
-        return {"workers": [_worker_json(w) for w in pool.workers.values()]}
+        if prefill_pool is None:
+            return {"workers": [_worker_json(w) for w in pool.workers.values()]}
+        return {"workers": [_worker_json(w, "prefill") for w in prefill_pool.workers.values()]
+                + [_worker_json(w, "decode") for w in pool.workers.values()]}  # fmt: skip
 
     @app.post("/workers", response_model=None)
     @api_errors

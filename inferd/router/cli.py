@@ -1,4 +1,6 @@
-"""`inferd router --worker-urls URL [URL ...]`: the cache-aware router, flags as SGLang's router."""
+"""`inferd router --worker-urls URL [URL ...]`: the cache-aware router, flags as SGLang's router;
+`inferd router --pd-disaggregation --prefill URL [URL ...] --decode URL [URL ...]`: prefill/decode
+disaggregation (inferd/router/pd.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,17 @@ logger = logging.getLogger("inferd.router")
 def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="route OpenAI requests over several inferd servers "
                               "(cache-aware: to the worker that likely caches the prompt's prefix)")  # fmt: skip
-    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL",
+    p.add_argument("--worker-urls", nargs="+", default=None, metavar="URL",
                    help="the workers' base URLs, e.g. http://127.0.0.1:8001")  # fmt: skip
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--pd-disaggregation", action="store_true",
+                    help="send each request to a --prefill worker, then stream it from a --decode "
+                    "worker that pulls the prompt's KV blocks (workers started with `inferd serve "
+                    "--kv-role prefill` / `--kv-role decode`)")  # fmt: skip
+    pd.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                    help="the prefill workers' base URLs (with --pd-disaggregation)")
+    pd.add_argument("--decode", nargs="+", default=None, metavar="URL",
+                    help="the decode workers' base URLs (with --pd-disaggregation)")
     p.add_argument("--policy", choices=list(POLICIES), default="cache_aware",
                    help="how a worker is chosen (default: %(default)s)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
@@ -75,18 +86,41 @@ def policy_from_args(args: argparse.Namespace):
     return make_policy(args.policy)
 
 
+def _worker_urls(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """(the workers routed to, the prefill pool or None); SystemExit naming a bad combination."""
+    if args.pd_disaggregation:
+        if args.worker_urls:
+            raise SystemExit("inferd router: --pd-disaggregation takes --prefill and --decode, "
+                             "not --worker-urls")  # fmt: skip
+        if not args.prefill or not args.decode:
+            raise SystemExit("inferd router: --pd-disaggregation needs --prefill URL [URL ...] "
+                             "and --decode URL [URL ...]")  # fmt: skip
+        return args.decode, args.prefill
+    if args.prefill or args.decode:
+        raise SystemExit("inferd router: --prefill / --decode need --pd-disaggregation")
+    if not args.worker_urls:
+        raise SystemExit("inferd router: give --worker-urls URL [URL ...] (or --pd-disaggregation "
+                         "with --prefill and --decode)")  # fmt: skip
+    return args.worker_urls, None
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inferd.router.app import RouterConfig, build_router_app
 
-    config = RouterConfig(worker_urls=args.worker_urls, kv_events=args.kv_events,
+    workers, prefill = _worker_urls(args)
+    config = RouterConfig(worker_urls=workers, prefill_urls=prefill, kv_events=args.kv_events,
                           tokenizer=args.tokenizer,
                           health_check_interval=args.health_check_interval,
                           health_failure_threshold=args.health_failure_threshold)  # fmt: skip
-    app = build_router_app(config, policy_from_args(args))
-    logger.info("router on http://%s:%d (%s) over %s", args.host, args.port, args.policy,
-                ", ".join(app.state.pool.workers))  # fmt: skip
+    app = build_router_app(config, policy_from_args(args), policy_from_args(args) if prefill else None)
+    if prefill:
+        logger.info("PD router on http://%s:%d (%s): prefill %s, decode %s", args.host, args.port,
+                    args.policy, ", ".join(app.state.prefill_pool.workers), ", ".join(app.state.pool.workers))  # fmt: skip
+    else:
+        logger.info("router on http://%s:%d (%s) over %s", args.host, args.port, args.policy,
+                    ", ".join(app.state.pool.workers))  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=5)  # fmt: skip
     return 0

@@ -31,6 +31,9 @@ class SamplingParams:
     # The prefix-cache salt: blocks are shared only among requests with the same one (a digest,
     # server/privacy.py; kept out of repr, so out of the request log).
     cache_salt: str | None = field(default=None, repr=False)
+    # vLLM's: what a KV connector is asked to do for this request (prefill/decode disaggregation:
+    # {"do_remote_decode": true}, or a transfer handle with "do_remote_prefill"; kv/connectors/pd).
+    kv_transfer_params: dict | None = field(default=None, repr=False)
     # Filled by validation: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 

@@ -145,6 +145,13 @@ def sampling_distribution(logits: torch.Tensor, seqs: list) -> torch.Tensor:
     return probs
 
 
+def skip_draws(generator: torch.Generator, n: int) -> None:
+    """Advance a seeded sequence's generator past `n` tokens sampled elsewhere (each took one
+    uniform in `draw`): PD's decode side continues where the prefill side's first token left it."""
+    for _ in range(n):
+        torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+
+
 def draw(probs: torch.Tensor, seqs: list) -> torch.Tensor:
     """One token per row of `probs` [R, V] (unnormalized is fine), by inverse CDF: one uniform u
     per row, the first token whose cumulative probability exceeds u times the total. Each seeded

@@ -155,16 +155,45 @@ class Scheduler:
         else:
             self.kv.free(seq.seq_id)
 
-    def finish_kv_transfers(self, sent: set[int], received: set[int]) -> None:
-        """The connector's completed asynchronous transfers (`get_finished`): free the blocks of
-        finished sequences whose send is done; sequences whose KV arrived wait to run."""
+    def finish_kv_transfers(self, sent: set[int], received: set[int],
+                            failed: set[int] = frozenset()) -> tuple[list[SampledTokens], list[Sequence]]:  # fmt: skip
+        """The connector's completed asynchronous transfers (`get_finished`, `get_failed_loads`):
+        free the blocks of finished sequences whose send is done; sequences whose KV arrived wait
+        to run, after the tokens the sending engine already sampled for them (PD's first token,
+        `remote_output_tokens`) are appended as if sampled here; sequences whose load failed give
+        their blocks back and are computed here from their local prefix hit. Returns the tokens
+        so appended, and the sequences they finished."""
         for seq_id in sent:
             if self.sending.pop(seq_id, None) is not None:
                 self.kv.free(seq_id)
-        for seq_id in received:
+        for seq_id in failed:
             seq = self.loading.pop(seq_id, None)
             if seq is not None:
+                self.kv.free(seq_id)
+                seq.num_computed_tokens = 0
                 self.add(seq)
+        appended: list[SampledTokens] = []
+        finished: list[Sequence] = []
+        for seq_id in received:
+            seq = self.loading.pop(seq_id, None)
+            if seq is None:
+                continue
+            tokens = self.connector.remote_output_tokens(seq_id)
+            if tokens:
+                s = SampledTokens(seq, tokens, [None] * len(tokens))
+                for token in tokens:
+                    self.stop.append(seq, token)
+                    s.num_appended += 1
+                    if seq.finish_reason is not None:
+                        break
+                self.num_generation_tokens += s.num_appended
+                appended.append(s)
+                if seq.finish_reason is not None:
+                    self.finish(seq)
+                    finished.append(seq)
+                    continue
+            self.add(seq)
+        return appended, finished
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if seq.spec.token_ids:  # a decode verifying its drafts: 1 + k tokens, drafts cut to fit
@@ -274,6 +303,8 @@ class Scheduler:
                     if self.kv.allocate_slots(seq.seq_id, cached, external):
                         self.connector.update_state_after_alloc(seq, self.kv.tables(seq.seq_id), external)
                         seq.num_computed_tokens = cached + external
+                        if seq.num_preemptions == 0:
+                            seq.num_cached_tokens = cached  # its own hit; the rest came from outside
                         self.waiting.remove(seq)
                         self._cached_len_memo.pop(seq.seq_id, None)
                         self.loading[seq.seq_id] = seq

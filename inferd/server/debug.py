@@ -20,7 +20,7 @@ from inferd.server.serving_common import ServerState
 
 def _check(core: EngineCore) -> dict[str, Any]:
     """In the engine, between steps."""
-    if core.has_unfinished_requests():
+    if core.has_unfinished_requests() or core.has_pending_kv_transfers():
         return {"idle": False}
     try:
         core.check_no_leaks()

@@ -8,11 +8,19 @@ has its own registry, so several servers can live in one process (tests).
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from inferd.engine.async_engine import StepReport
 from inferd.engine.stats import EngineStats
@@ -102,6 +110,13 @@ _CONNECTOR_DOCS = {
     "kv_offload_evictions": "KV blocks the tier dropped to stay within its size limits.",
     "kv_offload_dropped_writes": "Evicted KV blocks not written because the writer's queue was full.",
     "kv_offload_rejected_files": "KV block files skipped as corrupt, truncated or foreign.",
+    "kv_transfer_sent_tokens": "Prompt tokens whose KV a prefill worker sent (PD).",
+    "kv_transfer_sent_blocks": "KV blocks a prefill worker sent (PD).",
+    "kv_transfer_received_tokens": "Prompt tokens whose KV a decode worker pulled instead of computing (PD).",
+    "kv_transfer_received_blocks": "KV blocks a decode worker pulled (PD).",
+    "kv_transfer_failures": "KV pulls that failed; their prompts were computed locally (PD).",
+    "kv_transfer_timeouts": "Of those, pulls the sending worker never answered (PD).",
+    "kv_transfer_latency_seconds": "One KV pull: request to blocks in the pool (PD).",
 }
 
 class _EngineGauges(Collector):
@@ -144,6 +159,17 @@ class _EngineGauges(Collector):
                                     labels=["model_name"])  # fmt: skip
             c.add_metric(labels, value)
             yield c
+        for name, (bounds, counts, total) in s.kv_connector_histograms.items():
+            h = HistogramMetricFamily(f"inferd:{name}", _CONNECTOR_DOCS.get(name, "KV connector histogram."),
+                                      labels=["model_name"])  # fmt: skip
+            cumulative = list(itertools.accumulate(counts))
+            h.add_metric(labels, [(floatToGoString(b), c) for b, c in zip((*bounds, math.inf), cumulative)], total)
+            yield h
+        c = CounterMetricFamily("inferd:prompt_tokens_computed", "Prompt tokens the engine computed "
+                                "(recomputation included; not those served by the prefix cache or "
+                                "a KV connector).", labels=["model_name"])  # fmt: skip
+        c.add_metric(labels, s.prompt_tokens_total)
+        yield c
         if s.spec_method:  # speculative decoding on: its counters, labelled by proposer method
             for name, doc, value in (
                 ("spec_decode_num_drafts", "Verification steps of speculative drafts.", s.spec_num_drafts),

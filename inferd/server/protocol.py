@@ -58,6 +58,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: the prefix cache is shared only with the same salt
+    # vLLM's: for a KV connector (prefill/decode disaggregation: the router writes it).
+    kv_transfer_params: dict[str, Any] | None = None
     timeout: float | None = None  # seconds; the request is aborted (408) if it runs longer
     # Structured output: OpenAI's response_format and vLLM's guided_* extras.
     response_format: dict[str, Any] | None = None

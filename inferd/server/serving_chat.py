@@ -42,6 +42,7 @@ from inferd.server.serving_common import (
     merge_streams,
     sampling_params,
     sse,
+    with_kv_transfer_params,
     stream_with_errors,
     structured_spec,
     until_disconnected,
@@ -259,7 +260,7 @@ async def create_chat_completion(
     response = _response(
         request_id, created, model, output, top if req.logprobs else None, functions, parser
     )
-    return JSONResponse(response.model_dump(exclude_none=False))
+    return JSONResponse(with_kv_transfer_params(response.model_dump(exclude_none=False), output))
 
 
 async def _collect(stream: RequestStream) -> RequestOutput:

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from inferd.engine.async_engine import RequestStream, RequestUpdate
+from inferd.engine.outputs import RequestOutput
 from inferd.loader.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
@@ -224,9 +225,18 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured=structured if structured is not None else structured_spec(req),
+            kv_transfer_params=req.kv_transfer_params,
         )
     except ValueError as e:
         raise to_api_error(e, param_aliases=aliases) from e
+
+
+def with_kv_transfer_params(body: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+    """A response body with vLLM's `kv_transfer_params` where the KV connector returned some
+    (a prefill worker's transfer handle, inferd/kv/connectors/pd)."""
+    if output.kv_transfer_params is not None:
+        body["kv_transfer_params"] = output.kv_transfer_params
+    return body
 
 
 async def add_requests(

@@ -35,6 +35,7 @@ from inferd.server.serving_common import (
     merge_streams,
     sampling_params,
     sse,
+    with_kv_transfer_params,
     stream_with_errors,
     until_disconnected,
 )
@@ -123,7 +124,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         )
         return EngineStreamingResponse(stream_with_errors(body), streams)
     outputs = await until_disconnected(raw, _collect(streams))
-    return JSONResponse(_response(request_id, created, model, req.n, outputs, echoes).model_dump())
+    body = _response(request_id, created, model, req.n, outputs, echoes).model_dump()
+    return JSONResponse(with_kv_transfer_params(body, outputs[0]))
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:

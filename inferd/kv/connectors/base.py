@@ -133,6 +133,26 @@ class KVConnectorBase(abc.ABC):
         `finished_ids`: sequences that finished this step."""
         return set(), set()
 
+    def get_failed_loads(self) -> set[int]:
+        """seq_ids whose asynchronous load failed since the last call (the sender gone, a layout
+        refused): the scheduler frees their blocks and computes them itself."""
+        return set()
+
+    def remote_output_tokens(self, seq_id: int) -> list[int]:
+        """Tokens another engine already sampled for a sequence whose KV just arrived (PD: the
+        prefill worker's first token), appended before it runs; asked once per arrival."""
+        return []
+
+    def has_pending_sends(self) -> bool:
+        """Blocks are held for an asynchronous send: the engine keeps calling `get_finished`
+        while otherwise idle, so they are freed when it completes."""
+        return False
+
+    def histograms(self) -> dict[str, tuple[tuple[float, ...], list[int], float]]:
+        """Histograms for /metrics (`inferd:<name>`): name → (bucket upper bounds, counts per
+        bucket plus one for +Inf, sum)."""
+        return {}
+
     # ---- both ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters for /metrics (`inferd:<name>_total`)."""

@@ -13,6 +13,7 @@ from inferd.kv.connectors.layout import KVBlockLayout
 _REGISTRY: dict[str, str | Callable[..., KVConnectorBase]] = {
     "NullConnector": NullConnector,
     "OffloadingConnector": "inferd.kv.connectors.offloading:OffloadingConnector",
+    "PDConnector": "inferd.kv.connectors.pd.connector:PDConnector",
 }
 
 
