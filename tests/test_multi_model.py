@@ -200,3 +200,17 @@ def test_a_request_in_flight_outlives_a_swap_and_the_swap_queue_is_bounded(
     assert loaded(http) == {"smol": True, "gemma": True, "smolb": False}
     r = http.post("/debug/check_no_leaks")
     assert r.status_code == 200 and r.json()["ok"], r.text
+
+
+def test_the_router_serves_every_model_of_a_multi_model_server(server: RemoteServer) -> None:
+    router = RemoteServer("--worker-urls", server.url, "--health-check-interval", "0.5",
+                          command="router")  # fmt: skip
+    try:
+        with httpx.Client(base_url=router.url, timeout=300, headers=AUTH) as c:
+            for model in ["smolb", "gemma"]:
+                r = complete(c, model)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == reference(model, NEW_TOKENS)
+            assert_error(complete(c, "nope"), 404, param="model")
+    finally:
+        router.close()

@@ -32,7 +32,7 @@ from inferd.server.served_models import ModelPoolConfig, ModelSpec
 
 logger = logging.getLogger("inferd.server")
 
-_LOAD_BUCKETS = [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
+_LOAD_BUCKETS = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
 _WAIT_POLL_S = 0.05  # how often a waiting swap looks whether a busy model has drained
 
 
@@ -66,6 +66,9 @@ class PoolMetrics:
         self.load_time = Histogram("inferd:model_load_time_seconds", "Seconds from starting a "
                                    "model's engine to its first readiness.", lbl,
                                    buckets=_LOAD_BUCKETS, registry=reg)  # fmt: skip
+        self.unload_time = Histogram("inferd:model_unload_time_seconds", "Seconds to stop a "
+                                     "model's engine processes.", lbl, buckets=_LOAD_BUCKETS,
+                                     registry=reg)  # fmt: skip
         self.resident = Gauge("inferd:model_resident_bytes", "Bytes of weights and KV pool of "
                               "a loaded model (0: not loaded).", lbl, registry=reg)  # fmt: skip
         self.loaded = Gauge("inferd:model_loaded", "1 while the model is loaded.", lbl,
@@ -188,6 +191,9 @@ class ModelPool:
         if entry.pinned:
             raise APIError(409, f"the model `{name}` is pinned (--pin); it stays loaded",
                            code="model_pinned")  # fmt: skip
+        if entry.busy:  # at once: a swap may hold the lock while it waits for others to drain
+            raise APIError(409, f"the model `{name}` has requests in flight; unload it once "
+                           "they end", code="model_busy")  # fmt: skip
         assert self._lock is not None
         async with self._lock:
             if entry.replicas is None:
@@ -309,9 +315,11 @@ class ModelPool:
         replicas, entry.replicas = entry.replicas, None
         assert replicas is not None
         name = entry.spec.name
+        started = time.monotonic()
         replicas.close()  # its supervisors: this exit is no death to restart from
         await asyncio.to_thread(replicas.shutdown)  # stops and reaps the engine processes
         m = self.metrics
+        m.unload_time.labels(name).observe(time.monotonic() - started)
         m.unloads.labels(name, reason).inc()
         m.resident.labels(name).set(0)
         m.loaded.labels(name).set(0)
