@@ -15,6 +15,7 @@ def add_bench_parser(sub) -> None:
     from inferd.bench.soak import add_soak_parser
     from inferd.bench.spec import add_spec_parser
     from inferd.bench.structured import add_structured_parser
+    from inferd.bench.swap import add_swap_parser
 
     p = sub.add_parser("bench", help="benchmarks, with peers side by side")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
@@ -29,3 +30,4 @@ def add_bench_parser(sub) -> None:
     add_router_overhead_parser(bench_sub)
     add_allreduce_parser(bench_sub)
     add_pd_parser(bench_sub)
+    add_swap_parser(bench_sub)

@@ -64,9 +64,11 @@ class EngineInfo:
     file_type: str | None
     dtype: str
     device: str
+    resident_bytes: int = 0  # weights and KV pools (a draft model's too), as planned at load
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:
+        plan = core.memory_plan
         return cls(
             core.tokenizer,
             core.max_model_len,
@@ -74,6 +76,7 @@ class EngineInfo:
             core.file_type,
             str(core.dtype).removeprefix("torch."),
             str(core.device),
+            plan.weight_bytes + plan.kv_bytes + plan.draft_weight_bytes + plan.draft_kv_bytes,
         )
 
 

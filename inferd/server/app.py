@@ -23,12 +23,14 @@ from inferd.server.http_timeouts import BodyTimeoutMiddleware
 from inferd.server.limits import AdmissionLimits
 from inferd.server.metrics import CONTENT_TYPE
 from inferd.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from inferd.server.model_pool import ModelPool
+from inferd.server.privacy import bearer_token
 from inferd.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
+    ModelAdminRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -36,6 +38,7 @@ from inferd.server.protocol import (
 from inferd.server.replicas import Replica, ReplicaSet, model_loading_error
 from inferd.server.serving_chat import create_chat_completion, render_chat
 from inferd.server.serving_common import ServerState, encode
+from inferd.server.served_models import ServedModels
 from inferd.server.serving_completions import create_completion
 from inferd.server.supervisor import SupervisionConfig
 
@@ -45,7 +48,7 @@ DEFAULT_MAX_REQUEST_BYTES = 10 << 20
 
 
 def build_app(
-    engine: AsyncEngine | ReplicaSet,
+    engine: AsyncEngine | ReplicaSet | ModelPool,
     served_model_names: list[str],
     *,
     api_key: str | list[str] | None = None,
@@ -70,16 +73,19 @@ def build_app(
     `prefix_cache_isolation` (privacy.py), `allow_control_tokens_in_content` (control_tokens.py).
     `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
     defaults), for a lone `engine` (a `ReplicaSet` has its own); `enable_debug_endpoints`:
-    /debug/* (debug.py).
+    /debug/* (debug.py). A `ModelPool` serves the several models it names (served_models.py),
+    each loaded on demand; `on_ready` is then the pool's own.
     """
     if isinstance(engine, AsyncEngine):
         engine = ReplicaSet([engine], served_model_names[0], supervision)
-    replicas = engine
+    pool = engine if isinstance(engine, ModelPool) else None
+    replicas = engine if isinstance(engine, ReplicaSet) else None
     state = ServerState(
-        replicas, served_model_names, max_log_len, log_requests, tool_call_parser,
+        replicas, served_model_names, max_log_len, log_requests, tool_call_parser,  # type: ignore[arg-type]
         limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
         allow_control_tokens_in_content=allow_control_tokens_in_content,
     )  # fmt: skip
+    served = ServedModels(state, pool)
     # Set once every replica's startup line is logged: /health says 200 only then, so whatever
     # waits for it (a supervisor, a test) finds the lines (on uvloop the health request could
     # run first).
@@ -89,6 +95,16 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import asyncio
 
+        if pool is not None:  # /health judges by the pinned models (ServedModels.health)
+            pool.start()
+            started.set()
+            try:
+                yield
+            finally:
+                pool.close()
+                await pool.shutdown()
+            return
+        assert replicas is not None
         replicas.start()
 
         async def announce(replica: Replica) -> None:
@@ -129,44 +145,39 @@ def build_app(
             keys.append(state.limits.admin_api_key)
         app.add_middleware(APIKeyMiddleware, api_key=keys)  # outermost: refuse before reading
     if enable_debug_endpoints:
-        install_debug_routes(app, state)
+        install_debug_routes(app, served)
+    if pool is not None:
+        install_model_admin_routes(app, pool, state.limits.admin_api_key)
 
     @app.post("/v1/completions", response_model=None)
     @api_errors
     async def completions(req: CompletionRequest, raw: Request) -> Any:
-        return await create_completion(state, req, raw)
+        async with served.serving(req.model) as model_state:
+            return await create_completion(model_state, req, raw)
 
     @app.post("/v1/chat/completions", response_model=None)
     @api_errors
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
-        return await create_chat_completion(state, req, raw)
+        async with served.serving(req.model) as model_state:
+            return await create_chat_completion(model_state, req, raw)
 
     @app.get("/v1/models")
     @api_errors
     async def models() -> ModelList:
-        info = state.ready_replicas().info
-        source = info.source if info is not None else None
-        cards = [
-            ModelCard(
-                id=name,
-                created=state.created,
-                root=str(source) if source else None,
-                max_model_len=state.max_model_len,
-            )
-            for name in served_model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=served.cards())
 
     @app.get("/health", response_model=None)
     @api_errors
     async def health() -> Response:
         """200 while a replica serves (several replicas: each one's status in the body); else
         the 503 that says why none does."""
-        error, statuses = replicas.health()
+        error, statuses = served.health()
         if error is not None:
             return error_response(error)
         if not started.is_set():
             return error_response(model_loading_error())  # the startup lines are not out yet
+        if pool is not None:
+            return JSONResponse({"status": "ok", "models": statuses})
         if len(statuses) == 1:
             return Response(status_code=200)
         return JSONResponse({"status": "ok", "replicas": statuses})
@@ -174,14 +185,15 @@ def build_app(
     @app.get("/metrics", response_model=None)
     @api_errors
     async def prometheus() -> Response:
-        return Response(replicas.render_metrics(), media_type=CONTENT_TYPE)
+        return Response(served.render_metrics(), media_type=CONTENT_TYPE)
 
     @app.post("/reset_prefix_cache")
     @api_errors
     async def reset_prefix_cache() -> dict[str, bool]:
         """Flush the prefix cache (blocks running requests use stay); `reset` says if it emptied
-        (on every serving replica)."""
-        done = await state.ready_replicas().call_all(lambda core: core.reset_prefix_cache())
+        (on every serving replica of every loaded model)."""
+        done = [d for s in served.loaded()
+                for d in await s.ready_replicas().call_all(lambda core: core.reset_prefix_cache())]  # fmt: skip
         return {"reset": all(done)}
 
     @app.get("/version")
@@ -192,27 +204,53 @@ def build_app(
     @app.post("/tokenize")
     @api_errors
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        state.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
-        if req.messages is not None:
-            ids = await render_chat(
-                state, req.messages, add_generation_prompt=req.add_generation_prompt
-            )
-        else:
-            ids = await encode(state.tokenizer, req.prompt or "", req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        async with served.serving(req.model) as model_state:
+            return await _tokenize(model_state, req)
 
     @app.post("/detokenize")
     @api_errors
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        state.check_model(req.model)
-        vocab = state.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(
-                400, f"token id {bad} is out of range (vocab size {vocab})", param="tokens"
-            )
-        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+        async with served.serving(req.model) as model_state:
+            vocab = model_state.tokenizer.vocab_size
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400, f"token id {bad} is out of range (vocab size {vocab})", param="tokens"
+                )
+            return DetokenizeResponse(prompt=model_state.tokenizer.decode(req.tokens))
 
     return app
+
+
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
+    if req.messages is not None:
+        ids = await render_chat(state, req.messages, add_generation_prompt=req.add_generation_prompt)
+    else:
+        ids = await encode(state.tokenizer, req.prompt or "", req.add_special_tokens)
+    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+
+
+def install_model_admin_routes(app: FastAPI, pool: ModelPool, admin_key: str | None) -> None:
+    """POST /v1/models/load and /v1/models/unload {"model": NAME}: behind --api-key like every
+    route, and behind --admin-api-key alone when it is set."""
+
+    def check_admin(raw: Request) -> None:
+        if admin_key and bearer_token(raw) != admin_key:
+            raise APIError(403, "loading and unloading models needs the admin API key "
+                           "(--admin-api-key)", code="admin_key_required")  # fmt: skip
+
+    @app.post("/v1/models/load")
+    @api_errors
+    async def load_model(req: ModelAdminRequest, raw: Request) -> dict[str, Any]:
+        check_admin(raw)
+        done = await pool.load(req.model)
+        return {"model": req.model, "loaded": True, "changed": done}
+
+    @app.post("/v1/models/unload")
+    @api_errors
+    async def unload_model(req: ModelAdminRequest, raw: Request) -> dict[str, Any]:
+        check_admin(raw)
+        done = await pool.unload(req.model)
+        return {"model": req.model, "loaded": False, "changed": done}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+from typing import TYPE_CHECKING
 
 from inferd import envs
 from inferd.engine_args import add_engine_args, engine_config_from_args, parse_bytes
@@ -11,8 +13,18 @@ from inferd.server.data_parallel import add_data_parallel_args, data_parallel_co
 from inferd.server.http_timeouts import add_timeout_args, uvicorn_options
 from inferd.server.limits import add_limit_args, limits_from_args
 from inferd.server.privacy import PREFIX_CACHE_ISOLATION
+from inferd.server.served_models import (
+    add_model_pool_args,
+    model_pool_config,
+    parse_model_arg,
+    uses_pool,
+)
 from inferd.server.supervisor import add_supervision_args, supervision_config
 from inferd.structured.tool_parsers import TOOL_PARSER_CHOICES
+
+if TYPE_CHECKING:
+    from inferd.config import EngineConfig
+    from inferd.engine.core import EngineCore
 
 logger = logging.getLogger("inferd.server")
 
@@ -106,6 +118,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_supervision_args(g)
     g.add_argument("--uvicorn-log-level", default="warning")
     add_data_parallel_args(p)
+    add_model_pool_args(p)
     add_limit_args(p)
     add_timeout_args(p)
     p.set_defaults(func=cmd_serve)
@@ -123,39 +136,45 @@ def _at_least_one(text: str) -> int:
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
+    """A single model's names: --served-model-name, its NAME=, or its path."""
     from inferd.loader.default_model import DEFAULT_MODEL_NAME
 
-    return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    name, path = parse_model_arg(args.model[0]) if args.model else (None, None)
+    return args.served_model_name or [name or path or DEFAULT_MODEL_NAME]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from inferd.engine.core import EngineCore
     from inferd.server.app import build_app
     from inferd.server.data_parallel import build_replicas
-    from inferd.server.replicas import Replica
+    from inferd.server.model_pool import ModelPool
+    from inferd.server.replicas import Replica, ReplicaSet
     from inferd.server.stream_guards import with_transport_in_scope
 
-    limits = limits_from_args(args)  # validated here, before the port opens
-    config = engine_config_from_args(args)  # validated here, before the port opens
+    # Everything is validated here, before the port opens.
+    limits = limits_from_args(args)
+    pool_config = model_pool_config(args) if uses_pool(args) else None
+    names = served_names(args) if pool_config is None else [m.name for m in pool_config.models]
+    if pool_config is None:
+        args.model = parse_model_arg(args.model[0])[1] if args.model else None
+        configs = {names[0]: engine_config_from_args(args)}
+    else:
+        if args.chat_template:
+            raise ValueError("--chat-template serves one model; with several, each uses its own")
+        configs = {m.name: engine_config_from_args(argparse.Namespace(**{**vars(args),
+                                                                         "model": m.path}))
+                   for m in pool_config.models}  # fmt: skip
     supervision = supervision_config(args)
     data_parallel = data_parallel_config(args)
     template = None
     if args.chat_template:
         with open(args.chat_template) as f:
             template = f.read()
-
-    def build_engine() -> EngineCore:
-        engine = EngineCore(config)
-        if template is not None:
-            engine.tokenizer.set_chat_template(template)
-        return engine
-
     url = f"http://{args.host}:{args.port}"
-    names = served_names(args)
 
-    def on_ready(replica: Replica) -> None:
+    def on_ready(replica: Replica, shown: list[str]) -> None:
+        config = configs[shown[0]]
         e = replica.engine.info
         assert e is not None
         stats = replica.engine.stats
@@ -165,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"replica {replica.id} ({replica.placement}): " if replica.placement else "",
             e.source,
             e.file_type,
-            ", ".join(names),
+            ", ".join(shown),
             e.dtype,
             e.device,
             e.max_model_len,
@@ -176,28 +195,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "on" if args.api_key else "off",
         )
 
+    def replicas_of(name: str) -> ReplicaSet:
+        return build_replicas(
+            data_parallel,
+            functools.partial(_build_engine, configs[name], template),
+            name,
+            supervision,
+            engine_process=args.engine_process,
+            stream_interval=args.stream_interval,
+            max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
+        )
+
     # The front end admits by --max-queue-len (limits.py): the engines keep no queue limit.
-    replicas = build_replicas(
-        data_parallel,
-        build_engine,
-        names[0],
-        supervision,
-        engine_process=args.engine_process,
-        stream_interval=args.stream_interval,
-        max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
-    )
-    if data_parallel.size > 1:
+    def on_model_ready(name: str, replicas: ReplicaSet) -> None:
+        for replica in replicas.replicas:
+            on_ready(replica, [name])
+
+    served: ReplicaSet | ModelPool
+    if pool_config is not None:
+        served = ModelPool(pool_config, lambda spec: replicas_of(spec.name), on_model_ready)
+        logger.info("serving %d models (%s), each loaded on first use%s", len(names),
+                    ", ".join(names), f"; pinned: {', '.join(pool_config.pins)}"
+                    if pool_config.pins else "")  # fmt: skip
+    else:
+        served = replicas = replicas_of(names[0])
+    if data_parallel.size > 1 and isinstance(served, ReplicaSet):
         logger.info("%d replicas (%s backend, routed by %s): %s; HTTP front end unpinned",
                     data_parallel.size, data_parallel.backend, data_parallel.router_policy,
                     "; ".join(f"replica {r.id} on {r.placement}" for r in replicas.replicas))  # fmt: skip
     app = build_app(
-        replicas,
+        served,
         names,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         max_log_len=args.max_log_len,
         log_requests=args.enable_log_requests,
-        on_ready=on_ready,
+        on_ready=lambda replica: on_ready(replica, names),
         tool_call_parser=args.tool_call_parser,
         limits=limits,
         body_timeout=args.body_timeout,
@@ -206,7 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         supervision=supervision,
         enable_debug_endpoints=args.enable_debug_endpoints,
     )
-    logger.info("starting the server on %s; loading the model", url)
+    logger.info("starting the server on %s%s", url, "" if pool_config else "; loading the model")
     uvicorn.run(
         app,
         host=args.host,
@@ -216,3 +249,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **with_transport_in_scope(uvicorn_options(args)),
     )
     return 0
+
+
+def _build_engine(config: EngineConfig, template: str | None) -> EngineCore:
+    """An engine for `config` (in its engine process: this travels by cloudpickle)."""
+    from inferd.engine.core import EngineCore
+
+    engine = EngineCore(config)
+    if template is not None:
+        engine.tokenizer.set_chat_template(template)
+    return engine

@@ -3,7 +3,7 @@ internet (the leak check flushes the prefix cache).
 
 POST /debug/check_no_leaks runs the engine's KV integrity check between steps when it is idle:
 every block free or held by the prefix cache alone, and a flush of the cache empties the pool.
-Every serving replica is checked; 200 `{"ok": true, ...}` (blocks summed) when it holds; 409 `engine_busy` while requests run; 500 `kv_leak` when
+Every serving replica of every loaded model is checked; 200 `{"ok": true, ...}` (blocks summed) when it holds; 409 `engine_busy` while requests run; 500 `kv_leak` when
 it fails.
 """
 
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from inferd.engine.core import EngineCore
 from inferd.server.errors import APIError, api_errors
-from inferd.server.serving_common import ServerState
+from inferd.server.served_models import ServedModels
 
 
 def _check(core: EngineCore) -> dict[str, Any]:
@@ -31,16 +31,16 @@ def _check(core: EngineCore) -> dict[str, Any]:
             "num_free_blocks": pool.num_free}  # fmt: skip
 
 
-def install_debug_routes(app: FastAPI, state: ServerState) -> None:
+def install_debug_routes(app: FastAPI, served: ServedModels) -> None:
     @app.post("/debug/check_no_leaks")
     @api_errors
     async def check_no_leaks() -> dict[str, Any]:
-        results = await state.ready_replicas().call_all(_check)
+        results = [r for s in served.loaded() for r in await s.ready_replicas().call_all(_check)]
         if not all(r["idle"] for r in results):
             raise APIError(409, "requests are running; retry when the engine is idle",
                            code="engine_busy")  # fmt: skip
         if failed := [r["error"] for r in results if not r["ok"]]:
             raise APIError(500, f"KV integrity check failed: {'; '.join(failed)}", code="kv_leak")
-        # Summed over the serving replicas.
+        # Summed over the serving replicas (of every loaded model).
         return {"ok": True, "num_total_blocks": sum(r["num_total_blocks"] for r in results),
                 "num_free_blocks": sum(r["num_free_blocks"] for r in results)}  # fmt: skip

@@ -44,13 +44,16 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        """`headers`: extra response headers (a 503's Retry-After)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or error_type(status)
+        self.headers = headers
 
 
 def error_type(status: int) -> str:
@@ -88,6 +91,7 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(
         error_body(err.status, err.message, param=err.param, code=err.code, type=err.type),
         status_code=err.status,
+        headers=err.headers,
     )
 
 

@@ -220,6 +220,11 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    loaded: bool | None = None  # whether its engine is loaded now (several models: on demand)
+
+
+class ModelAdminRequest(BaseModel):
+    model: str  # a served model's name (POST /v1/models/load, /v1/models/unload)
 
 
 class ModelList(BaseModel):
