@@ -21,6 +21,7 @@ from inferd.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -28,7 +29,7 @@ from inferd.config import (
 )
 
 _NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                            "parallel": ParallelConfig}  # fmt: skip
+                            "parallel": ParallelConfig, "lora": LoRAConfig}  # fmt: skip
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
 
 
@@ -172,6 +173,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "host; ray = serve's --data-parallel-size replicas as actors on the Ray cluster at "
         "--ray-address, one placement group each (pip install 'inferd[ray]')" + shown,
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    add("--enable-lora", "serve LoRA adapters (PEFT format) batched with the base model: a "
+        "request selects one by its `model` name", action="store_true")
+    add("--lora-modules", "adapters to register at start, NAME=PATH each", nargs="+",
+        metavar="NAME=PATH")
+    add("--max-loras", "adapters one step may run at once" + shown, type=int)
+    add("--max-lora-rank", "highest adapter rank accepted" + shown, type=int)
+    add("--max-cpu-loras", "adapters kept loaded in host memory (default: --max-loras)", type=int)
     add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
         type=float)
 

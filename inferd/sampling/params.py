@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.structured.params import StructuredOutputsParams
 
@@ -31,6 +32,10 @@ class SamplingParams:
     # The prefix-cache salt: blocks are shared only among requests with the same one (a digest,
     # server/privacy.py; kept out of repr, so out of the request log).
     cache_salt: str | None = field(default=None, repr=False)
+    # The LoRA adapter the request runs under (inferd.lora.LoRARequest; None: the base model):
+    # set from `LLM.generate(lora_request=...)` or the server's `model` field, and carried with
+    # the parameters into the engine process.
+    lora_request: Any = field(default=None, repr=False)
     # Filled by validation: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 
