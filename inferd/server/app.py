@@ -37,6 +37,7 @@ from inferd.server.replicas import Replica, ReplicaSet, model_loading_error
 from inferd.server.serving_chat import create_chat_completion, render_chat
 from inferd.server.serving_common import ServerState, encode
 from inferd.server.serving_completions import create_completion
+from inferd.server.serving_lora import adapter_cards, install_lora_routes
 from inferd.server.supervisor import SupervisionConfig
 
 logger = logging.getLogger("inferd.server")
@@ -60,6 +61,7 @@ def build_app(
     allow_control_tokens_in_content: bool = False,
     supervision: SupervisionConfig | None = None,
     enable_debug_endpoints: bool = False,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """An app serving `engine`, or several replicas of it (not started yet: the app's lifespan
     starts and stops them).
@@ -70,7 +72,8 @@ def build_app(
     `prefix_cache_isolation` (privacy.py), `allow_control_tokens_in_content` (control_tokens.py).
     `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
     defaults), for a lone `engine` (a `ReplicaSet` has its own); `enable_debug_endpoints`:
-    /debug/* (debug.py).
+    /debug/* (debug.py); `lora_modules`: LoRA adapters (name → path) the engines were started
+    with, None when LoRA is off (serving_lora.py).
     """
     if isinstance(engine, AsyncEngine):
         engine = ReplicaSet([engine], served_model_names[0], supervision)
@@ -79,6 +82,7 @@ def build_app(
         replicas, served_model_names, max_log_len, log_requests, tool_call_parser,
         limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
         allow_control_tokens_in_content=allow_control_tokens_in_content,
+        enable_lora=lora_modules is not None, lora_modules=dict(lora_modules or {}),
     )  # fmt: skip
     # Set once every replica's startup line is logged: /health says 200 only then, so whatever
     # waits for it (a supervisor, a test) finds the lines (on uvloop the health request could
@@ -130,6 +134,7 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=keys)  # outermost: refuse before reading
     if enable_debug_endpoints:
         install_debug_routes(app, state)
+    install_lora_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     @api_errors
@@ -155,7 +160,7 @@ def build_app(
             )
             for name in served_model_names
         ]
-        return ModelList(data=cards)
+        return ModelList(data=cards + adapter_cards(state, state.created, state.max_model_len))
 
     @app.get("/health", response_model=None)
     @api_errors

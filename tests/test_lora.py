@@ -1,0 +1,181 @@
+"""Multi-LoRA: adapters written by PEFT, served batched with the base model (inferd/lora).
+
+The reference is HF transformers with the adapter merged into the weights (PEFT's
+`merge_and_unload`); inferd adds the delta on the side and must give the same greedy tokens,
+alone and with other adapters and the base model in one batch, through the prefix cache, the
+slots' LRU and reloads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferd import LLM, LoRARequest, SamplingParams
+from tests.lora_helpers import greedy, merged, write_adapter
+
+pytest.importorskip("peft")
+
+# The second spans two KV blocks (16 tokens each): the prefix cache has whole blocks to keep.
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7], [1, *range(40, 60), 12, 200, 201, 202, 9, 8, 77, 3, *range(100, 110), 5], [1, 300, 2]]
+TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_base(tiny_llama_hf, hf_transformers):
+    return hf_transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_hf.path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_base, tmp_path_factory) -> dict[str, Path]:
+    """Four adapters: every target at rank 8; a few targets at rank 4; rslora with an alpha
+    pattern; and a second rank-8 one (for reloads)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all8": write_adapter(hf_base, root / "all8", seed=1, scale=3.0),
+        "some4": write_adapter(hf_base, root / "some4", seed=2, rank=4, targets=["q_proj", "v_proj", "down_proj"],
+                               scale=3.0),
+        "rs": write_adapter(hf_base, root / "rs", seed=3, rank=6, targets=["k_proj", "o_proj", "up_proj", "gate_proj"],
+                            use_rslora=True, alpha_pattern={"o_proj": 4}, scale=3.0),
+        "other8": write_adapter(hf_base, root / "other8", seed=4, scale=3.0),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def references(hf_base, adapters) -> dict[str | None, list[list[int]]]:
+    """Greedy tokens of every prompt under the base model (None) and each adapter, merged."""
+    refs = {None: [greedy(hf_base, p, TOKENS) for p in PROMPTS]}
+    for name, path in adapters.items():
+        model = merged(hf_base, path)
+        refs[name] = [greedy(model, p, TOKENS) for p in PROMPTS]
+    for name in adapters:  # the adapters move the model: a test that passes could not by chance
+        assert refs[name] != refs[None], name
+    return refs
+
+
+def lora_llm(model: Path, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory", 16 << 20)
+    return LLM(str(model), enable_lora=True, verbose=False, **kwargs)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_each_adapter_alone_matches_peft_merged(tiny_llama_hf, adapters, references):
+    llm = lora_llm(tiny_llama_hf.path, max_loras=1, max_lora_rank=8)
+    for i, (name, path) in enumerate(adapters.items()):
+        got = tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest(name, i + 1, str(path)), use_tqdm=False))
+        assert got == references[name], name
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == references[None]
+    llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("max_loras", [4, 2, 1])
+def test_mixed_batch_matches_alone(tiny_llama_hf, adapters, references, max_loras):
+    """Every (prompt, adapter or base) pair in one call: one step mixes them while slots allow;
+    with fewer slots than adapters, requests wait for a slot and all finish, each exact."""
+    names = [None, "all8", "some4", "rs"]
+    llm = lora_llm(tiny_llama_hf.path, max_loras=max_loras, max_lora_rank=8)
+    prompts, loras, want = [], [], []
+    for p, prompt in enumerate(PROMPTS):
+        for name in names:
+            prompts.append(prompt)
+            loras.append(None if name is None else LoRARequest(name, 1, str(adapters[name])))
+            want.append(references[name][p])
+    assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == want
+    assert llm.engine.lora.slots.masks is None  # no delta outside a step
+    llm.engine.check_no_leaks()
+
+
+def test_prefix_cache_is_keyed_by_adapter_and_load(tiny_llama_hf, adapters, references, tmp_path):
+    llm = lora_llm(tiny_llama_hf.path, max_loras=2, max_lora_rank=8, enable_prefix_caching=True)
+    prompt = [PROMPTS[1]]
+    a = LoRARequest("a", 1, str(adapters["all8"]))
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=a, use_tqdm=False)) == [references["all8"][1]]
+    # The same prompt under another adapter and the base model: their own outputs, not the
+    # first's cached KV.
+    b = LoRARequest("b", 2, str(adapters["some4"]))
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=b, use_tqdm=False)) == [references["some4"][1]]
+    assert tokens(llm.generate(prompt, GREEDY, use_tqdm=False)) == [references[None][1]]
+    # The same adapter again: its blocks are reused.
+    hits = llm.engine.scheduler.prefix_hits_tokens
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=a, use_tqdm=False)) == [references["all8"][1]]
+    assert llm.engine.scheduler.prefix_hits_tokens > hits
+    # Reloading name "a" with other weights (another path): new output, no stale KV.
+    a2 = LoRARequest("a", 1, str(adapters["other8"]))
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=a2, use_tqdm=False)) == [references["other8"][1]]
+    # ... and with new files at the same path, through the manager's load (the endpoint's).
+    moved = tmp_path / "a"
+    moved.mkdir()
+    for f in adapters["all8"].iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    llm.engine.lora.load("c", str(moved))
+    c = LoRARequest("c", 3)
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=c, use_tqdm=False)) == [references["all8"][1]]
+    for f in adapters["other8"].iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    llm.engine.lora.load("c", str(moved))
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=c, use_tqdm=False)) == [references["other8"][1]]
+    llm.engine.check_no_leaks()
+
+
+def test_host_cache_drops_and_reads_again(tiny_llama_hf, adapters, references):
+    """--max-cpu-loras 1 with --lora-modules of two: the one dropped from host memory is read
+    again when asked for, with the same output."""
+    mods = (f"x={adapters['all8']}", f"y={adapters['some4']}")
+    llm = lora_llm(tiny_llama_hf.path, max_loras=1, max_cpu_loras=1, max_lora_rank=8, lora_modules=mods)
+    for _ in range(2):
+        for name, ref in (("x", "all8"), ("y", "some4")):
+            out = llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest(name), use_tqdm=False)
+            assert tokens(out) == [references[ref][0]]
+            assert len(llm.engine.lora._cpu) == 1
+
+
+def test_speculation_skips_adapted_rows(tiny_llama_hf, adapters, references):
+    llm = lora_llm(tiny_llama_hf.path, max_loras=2, max_lora_rank=8,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    loras = [None, LoRARequest("a", 1, str(adapters["all8"])), LoRARequest("b", 2, str(adapters["rs"]))]
+    got = tokens(llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=loras, use_tqdm=False))
+    assert got == [references[None][0], references["all8"][0], references["rs"][0]]
+
+
+def test_bad_adapters_are_named(tiny_llama_hf, hf_base, hf_transformers, adapters, tmp_path):
+    llm = lora_llm(tiny_llama_hf.path, max_loras=1, max_lora_rank=4)
+
+    def refused(path, match: str, name: str = "bad") -> None:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest(name, 1, str(path)), use_tqdm=False)
+
+    refused(adapters["all8"], r"rank 8 .* exceeds --max-lora-rank 4")
+    small = hf_transformers.LlamaForCausalLM(hf_transformers.LlamaConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16))  # fmt: skip
+    refused(write_adapter(small, tmp_path / "small", seed=5, rank=4), r"base model mismatch")
+    refused(write_adapter(hf_base, tmp_path / "head", seed=6, rank=4, targets=["lm_head"]), r"unknown target module")
+    refused(tmp_path, r"not a LoRA adapter")
+    refused(tmp_path / "missing", r"not a LoRA adapter")
+    with pytest.raises(ValueError, match=r"'nobody' is not loaded"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("nobody"), use_tqdm=False)
+    base_only = LLM(str(tiny_llama_hf.path), kv_cache_memory=16 << 20, verbose=False)
+    with pytest.raises(ValueError, match=r"LoRA is not enabled"):
+        base_only.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("x", 1, str(adapters["all8"])), use_tqdm=False)
+    # Nothing was left behind by the refusals, and the engine still serves.
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_no_leaks()
+
+
+def test_flags_are_checked():
+    from inferd.engine_args import build_engine_config
+
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        build_engine_config(lora_modules=["a=/x"])
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        build_engine_config(enable_lora=True, lora_modules=["a"])
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        build_engine_config(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    cfg = build_engine_config(enable_lora=True, lora_modules=["a=/x", "b=/y=z"], max_loras=2)
+    assert cfg.lora.modules == {"a": "/x", "b": "/y=z"} and cfg.lora.cpu_capacity == 2
