@@ -179,3 +179,75 @@ def test_flags_are_checked():
         build_engine_config(enable_lora=True, max_loras=4, max_cpu_loras=2)
     cfg = build_engine_config(enable_lora=True, lora_modules=["a=/x", "b=/y=z"], max_loras=2)
     assert cfg.lora.modules == {"a": "/x", "b": "/y=z"} and cfg.lora.cpu_capacity == 2
+
+
+# ---- the server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_server(tiny_llama_hf, adapters):
+    from tests.test_server_utils import RemoteServer
+
+    srv = RemoteServer(str(tiny_llama_hf.path), "--enable-lora", "--lora-modules", f"all8={adapters['all8']}",
+                       "--max-loras", "2", "--max-lora-rank", "8", "--api-key", "sk-test",
+                       "--kv-cache-memory", "64MiB", "--log-stats-interval", "0")  # fmt: skip
+    yield srv
+    srv.close()
+
+
+def test_server_serves_adapters_by_model_name(lora_server, tiny_llama_hf, adapters, references):
+    import httpx
+
+    from tests.test_server_utils import assert_error
+
+    auth = {"Authorization": "Bearer sk-test"}
+    with httpx.Client(base_url=lora_server.url, timeout=300, headers=auth) as http:
+        base = str(tiny_llama_hf.path)
+
+        def complete(model: str, prompt: list[int]) -> httpx.Response:
+            return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": TOKENS,
+                                                      "temperature": 0, "ignore_eos": True})  # fmt: skip
+
+        def completion_text(model: str, p: int) -> str:
+            r = complete(model, PROMPTS[p])
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"].rstrip("\ufffd")
+
+        def text(name: str | None, p: int) -> str:
+            """The reference's text (the stream holds back a last partial UTF-8 character)."""
+            return tiny_llama_hf.tokenizer.decode(references[name][p], skip_special_tokens=True).rstrip("\ufffd")
+
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+        assert cards["all8"]["parent"] == base and cards["all8"]["root"] == str(adapters["all8"])
+        assert cards[base]["parent"] is None
+        # Base and adapter requests at once (one batch), each its own reference.
+        import concurrent.futures as cf
+
+        jobs = [(m, p) for p in range(len(PROMPTS)) for m in (base, "all8")]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            texts = list(pool.map(lambda j: completion_text(*j), jobs))
+        for (m, p), got in zip(jobs, texts):
+            assert got == text(None if m == base else "all8", p), (m, p)
+
+        assert_error(complete("nobody", PROMPTS[0]), 404)
+        assert complete("nobody", PROMPTS[0]).json()["error"]["code"] == "model_not_found"
+        # Loading at run time: bad adapters are 400s naming the problem.
+        for path, words in ((adapters["all8"].parent, "not a LoRA adapter"),):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)})
+            assert_error(r, 400)
+            assert words in r.json()["error"]["message"]
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": str(adapters["rs"])})
+        assert_error(r, 400)  # the name is taken
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "rs", "lora_path": str(adapters["rs"])})
+        assert r.status_code == 200, r.text
+        assert "rs" in {c["id"] for c in http.get("/v1/models").json()["data"]}
+        assert completion_text("rs", 0) == text("rs", 0)
+        # Reloaded in place with other weights: the new output.
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "rs", "lora_path": str(adapters["other8"]),
+                                                     "load_inplace": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert completion_text("rs", 0) == text("other8", 0)
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rs"}).status_code == 200
+        assert_error(complete("rs", PROMPTS[0]), 404)
+        assert_error(http.post("/v1/unload_lora_adapter", json={"lora_name": "rs"}), 404)
+        # Behind the API key.
+        r = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "/x"})
+        assert r.status_code == 401
