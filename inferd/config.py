@@ -7,8 +7,8 @@ The field defaults here are the engine's defaults, written once: the CLI flags
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.distributed.group import TPGroup
 from inferd.engine.decode_buckets import DecodeBuckets, bucket_for, bucket_sizes
 from inferd.engine.readbacks import HostReadbacks
-from inferd.distributed.group import TPGroup
 from inferd.host_to_device import upload
 from inferd.kv.kv_cache import KVCache
 from inferd.kv.kv_groups import KVLayout

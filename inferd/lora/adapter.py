@@ -35,7 +35,9 @@ TARGETS: dict[str, tuple[str, int]] = {
 }  # fmt: skip
 # Parts per site: how many rank blocks a slot holds there (inferd/lora/slots.py).
 SITE_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
+)
 _generations = itertools.count(1)
 
 
@@ -74,7 +76,12 @@ class LoRAAdapter:
 
 def site_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[tuple[int, int]]]]:
     """Per site: its input width and, per part, (output offset, output width)."""
-    q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    q, kv, h, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
     return {
         "qkv": (h, [(0, q), (q, kv), (q + kv, kv)]),
         "o": (q, [(0, h)]),
@@ -103,13 +110,19 @@ def read_config(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise LoRAError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"{path}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r} is not LORA")
+        raise LoRAError(
+            f"{path}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r} is not LORA"
+        )
     if cfg.get("use_dora"):
         raise LoRAError(f"{path}: DoRA adapters are not supported")
     if cfg.get("bias", "none") != "none":
-        raise LoRAError(f"{path}: adapters that train biases (bias={cfg['bias']!r}) are not supported")
+        raise LoRAError(
+            f"{path}: adapters that train biases (bias={cfg['bias']!r}) are not supported"
+        )
     if cfg.get("modules_to_save"):
-        raise LoRAError(f"{path}: modules_to_save {cfg['modules_to_save']} (fully trained modules) are not supported")
+        raise LoRAError(
+            f"{path}: modules_to_save {cfg['modules_to_save']} (fully trained modules) are not supported"
+        )
     if cfg.get("fan_in_fan_out"):
         raise LoRAError(f"{path}: fan_in_fan_out adapters are not supported")
     return cfg
@@ -158,11 +171,15 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     top_rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"{path}: layer {layer} {module} has lora_{''.join(ab)} without its pair")
+            raise LoRAError(
+                f"{path}: layer {layer} {module} has lora_{''.join(ab)} without its pair"
+            )
         a, b = ab["A"].float(), ab["B"].float()
         site, index = TARGETS[module]
         width, outs = shapes[site]
-        offset, out = (0, sum(o for _, o in outs)) if module in ("qkv_proj", "gate_up_proj") else outs[index]
+        offset, out = (
+            (0, sum(o for _, o in outs)) if module in ("qkv_proj", "gate_up_proj") else outs[index]
+        )
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
             raise LoRAError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
@@ -171,11 +188,15 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
             raise LoRAError(f"{path}: base model mismatch: adapter for {base!r} has layer {layer} "
                             f"{module} of {a.shape[1]} -> {b.shape[0]}; this model's is {width} -> {out}")  # fmt: skip
         if r > max_rank:
-            raise LoRAError(f"{path}: rank {r} (layer {layer} {module}) exceeds --max-lora-rank {max_rank}")
+            raise LoRAError(
+                f"{path}: rank {r} (layer {layer} {module}) exceeds --max-lora-rank {max_rank}"
+            )
         full = f"model.layers.{layer}.{module}"
         rank_cfg = _pattern_value(conf.get("rank_pattern"), full, conf.get("r", r))
         alpha = _pattern_value(conf.get("alpha_pattern"), full, conf.get("lora_alpha", rank_cfg))
         scale = alpha / math.sqrt(rank_cfg) if conf.get("use_rslora") else alpha / rank_cfg
-        parts.setdefault((layer, site), []).append((index, LoRAPart(a.contiguous(), (b * scale).contiguous(), offset)))
+        parts.setdefault((layer, site), []).append(
+            (index, LoRAPart(a.contiguous(), (b * scale).contiguous(), offset))
+        )
         top_rank = max(top_rank, r)
     return LoRAAdapter(name, str(path), top_rank, parts)

@@ -34,7 +34,9 @@ class NoLoRA:
 
     def resolve(self, request: LoRARequest | None) -> LoRAAdapter | None:
         if request is not None:
-            raise LoRAError(f"adapter {request.lora_name!r}: LoRA is not enabled (start the engine with --enable-lora)")
+            raise LoRAError(
+                f"adapter {request.lora_name!r}: LoRA is not enabled (start the engine with --enable-lora)"
+            )
         return None
 
     def names(self) -> dict[str, str]:
@@ -94,7 +96,9 @@ class LoRAManager:
             raise LoRANotFound(f"adapter {name!r} is not loaded (known: {sorted(self._paths)})")
         adapter = self._cpu.get(name)
         if adapter is None:  # dropped from host memory: read again, as a new load
-            adapter = load_adapter(name, self._paths[name], self.model_config, self.config.max_lora_rank)
+            adapter = load_adapter(
+                name, self._paths[name], self.model_config, self.config.max_lora_rank
+            )
             self._keep(adapter)
         self._cpu.move_to_end(name)
         return adapter

@@ -34,7 +34,9 @@ class LoRASite:
 
     __slots__ = ("a", "b", "parts", "slots")
 
-    def __init__(self, slots: LoRASlots, width: int, out: int, parts: int, device: torch.device) -> None:
+    def __init__(
+        self, slots: LoRASlots, width: int, out: int, parts: int, device: torch.device
+    ) -> None:
         cols = slots.num_slots * parts * slots.max_rank
         self.a = torch.zeros(width, cols, device=device)
         self.b = torch.zeros(cols, out, device=device)
@@ -105,7 +107,11 @@ class LoRASlots:
             if adapter.slot >= 0 and self.adapters[adapter.slot] is adapter:
                 self._lru.move_to_end(adapter.slot)
                 continue
-            slot = next(s for s in self._lru if self.adapters[s] is None or id(self.adapters[s]) not in wanted)
+            slot = next(
+                s
+                for s in self._lru
+                if self.adapters[s] is None or id(self.adapters[s]) not in wanted
+            )
             old = self.adapters[slot]
             if old is not None:
                 old.slot = -1

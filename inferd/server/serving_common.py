@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from inferd.engine.async_engine import RequestStream, RequestUpdate
 from inferd.loader.tokenizer import Tokenizer
+from inferd.lora.request import LoRARequest
 from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.fair_share import share_window
@@ -27,7 +28,6 @@ from inferd.server.protocol import _SamplingFields
 from inferd.server.replicas import ReplicaSet
 from inferd.server.stream_guards import Deadline, check_timeout, drop_client_on_overflow
 from inferd.structured import StructuredOutputsParams
-from inferd.lora.request import LoRARequest
 from inferd.structured.tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("inferd.server")

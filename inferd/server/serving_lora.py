@@ -58,12 +58,16 @@ def install_lora_routes(app: FastAPI, state: ServerState) -> None:
         check_enabled()
         name = req.lora_name
         if not name or name in state.served_model_names:
-            raise APIError(400, f"lora_name {name!r} is empty or the base model's name", param="lora_name")
+            raise APIError(
+                400, f"lora_name {name!r} is empty or the base model's name", param="lora_name"
+            )
         if name in state.lora_modules and not req.load_inplace:
             raise APIError(400, f"adapter {name!r} is already loaded (unload it first, or load_inplace)",
                            param="lora_name")  # fmt: skip
         try:
-            await state.ready_replicas().call_all(functools.partial(_load, name, req.lora_path, True))
+            await state.ready_replicas().call_all(
+                functools.partial(_load, name, req.lora_path, True)
+            )
         except LoRAError as e:
             raise APIError(400, str(e), param="lora_path") from None
         state.lora_modules[name] = req.lora_path
@@ -75,7 +79,9 @@ def install_lora_routes(app: FastAPI, state: ServerState) -> None:
         check_enabled()
         name = req.lora_name
         if name not in state.lora_modules:
-            raise APIError(404, f"adapter {name!r} is not loaded", param="lora_name", code="model_not_found")
+            raise APIError(
+                404, f"adapter {name!r} is not loaded", param="lora_name", code="model_not_found"
+            )
         state.lora_modules.pop(name)
         try:
             await state.ready_replicas().call_all(functools.partial(_unload, name))
