@@ -393,6 +393,19 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def _name_eq_path(module: str) -> str:
+    """An adapter of --lora-modules as NAME=PATH; vLLM's JSON form '{"name": .., "path": ..}' too."""
+    if not module.lstrip().startswith("{"):
+        return module
+    import json
+
+    try:
+        spec = json.loads(module)
+        return f"{spec['name']}={spec['path']}"
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f'--lora-modules takes NAME=PATH or {{"name": .., "path": ..}}, got {module!r}') from None
+
+
 @dataclass(frozen=True, slots=True)
 class LoRAConfig:
     """Multi-LoRA serving (inferd/lora, docs/lora.md), with vLLM's flags."""
@@ -407,7 +420,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        object.__setattr__(self, "lora_modules", tuple(_name_eq_path(m) for m in self.lora_modules or ()))
         if not self.enable_lora:
             if self.lora_modules:
                 raise ValueError("--lora-modules needs --enable-lora")

@@ -217,6 +217,8 @@ def test_flags_are_checked():
         build_engine_config(enable_lora=True, max_loras=4, max_cpu_loras=2)
     cfg = build_engine_config(enable_lora=True, lora_modules=["a=/x", "b=/y=z"], max_loras=2)
     assert cfg.lora.modules == {"a": "/x", "b": "/y=z"} and cfg.lora.cpu_capacity == 2
+    cfg = build_engine_config(enable_lora=True, lora_modules=['{"name": "c", "path": "/p", "base_model_name": "m"}'])
+    assert cfg.lora.modules == {"c": "/p"}
 
 
 # ---- the server ------------------------------------------------------------------------------
