@@ -43,6 +43,7 @@ _PUBLIC = {
     "SamplingParams": "inferd.sampling.params",
     "RequestOutput": "inferd.engine.outputs",
     "CompletionOutput": "inferd.engine.outputs",
+    "LoRARequest": "inferd.lora.request",
 }
 __all__ = list(_PUBLIC)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -478,6 +478,61 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def _name_eq_path(module: str) -> str:
+    """An adapter of --lora-modules as NAME=PATH; vLLM's JSON form '{"name": .., "path": ..}' too."""
+    if not module.lstrip().startswith("{"):
+        return module
+    import json
+
+    try:
+        spec = json.loads(module)
+        return f"{spec['name']}={spec['path']}"
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f'--lora-modules takes NAME=PATH or {{"name": .., "path": ..}}, got {module!r}') from None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (inferd/lora, docs/lora.md), with vLLM's flags."""
+
+    enable_lora: bool = False
+    # NAME=PATH (PEFT adapter directories) registered at start; a request selects one by name.
+    lora_modules: tuple[str, ...] = ()
+    # Adapters a step may run at once (slots); a request whose adapter finds none free waits.
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # Adapters kept loaded in host memory (least recently used dropped); None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(_name_eq_path(m) for m in self.lora_modules or ()))
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        for flag, value in (("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"--max-cpu-loras must be an integer >= --max-loras ({self.max_loras}), got {cpu!r}")
+        names = [m.partition("=")[0] for m in self.lora_modules]
+        for module, name in zip(self.lora_modules, names):
+            if not name or "=" not in module or not module.partition("=")[2]:
+                raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {names}")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as name -> path."""
+        return dict(m.split("=", 1) for m in self.lora_modules)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -525,8 +580,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
         if self.dtype not in (*DTYPES, "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
         if self.quantization not in QUANTIZATION_METHODS:

@@ -22,6 +22,7 @@ from inferd.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -29,7 +30,8 @@ from inferd.config import (
 )
 
 _NESTED: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                            "parallel": ParallelConfig, "kv_transfer": KVTransferConfig}  # fmt: skip
+                            "parallel": ParallelConfig, "kv_transfer": KVTransferConfig,
+                            "lora": LoRAConfig}  # fmt: skip
 _SPECULATIVE = "speculative_config"  # vLLM's name for EngineConfig.speculative
 # vLLM's JSON form of KVTransferConfig's fields; a field also given on its own wins.
 _KV_TRANSFER = "kv_transfer_config"
@@ -197,6 +199,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         f"used evicted first (default: {format_bytes(d('kv_offload_size'))})", type=parse_bytes)
     add("--kv-offload-cpu", "bytes of host memory for a KV tier between the pool and the disk "
         "(mostly useful on a GPU); 0 = off" + shown, type=parse_bytes)
+    add("--enable-lora", "serve LoRA adapters (PEFT format) batched with the base model: a "
+        "request selects one by its `model` name", action="store_true")
+    add("--lora-modules", "adapters to register at start, NAME=PATH each", nargs="+",
+        metavar="NAME=PATH")
+    add("--max-loras", "adapters one step may run at once" + shown, type=int)
+    add("--max-lora-rank", "highest adapter rank accepted" + shown, type=int)
+    add("--max-cpu-loras", "adapters kept loaded in host memory (default: --max-loras)", type=int)
     add("--log-stats-interval", "seconds between engine stats log lines (0: off)" + shown,
         type=float)
 

@@ -80,6 +80,8 @@ def add_offline_parser(sub) -> None:
     p.add_argument("--turns", type=int, default=None, help="turns of the conversation (multi-turn)")
     p.add_argument("--context-lens", default=None,
                    help="comma list of context lengths, 'max' = the model's (long-context)")  # fmt: skip
+    p.add_argument("--lora-adapters", type=int, default=None, help="adapters the requests spread over (lora)")
+    p.add_argument("--lora-rank", type=int, default=None, help="the adapters' rank (lora)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
         "--kv-cache-memory",

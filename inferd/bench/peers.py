@@ -78,10 +78,11 @@ class Timed:
 
 
 def inferd_generate_timed(engine, prompts: list[list[int]], output_len: int,
-                          temperature: float = 0.0, top_p: float = 1.0) -> Timed:  # fmt: skip
+                          temperature: float = 0.0, top_p: float = 1.0, loras: list | None = None) -> Timed:  # fmt: skip
     """All `prompts` added at once, greedy (or sampled at `temperature`, `top_p`), exactly
-    `output_len` tokens each; `stamps` are the ends of the steps that produced tokens (the first is
-    the end of the prefill when the batch's prompts fit one step's token budget)."""
+    `output_len` tokens each (prompt i under LoRA adapter `loras[i]` when given); `stamps` are the
+    ends of the steps that produced tokens (the first is the end of the prefill when the batch's
+    prompts fit one step's token budget)."""
     from inferd.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True)
@@ -90,8 +91,8 @@ def inferd_generate_timed(engine, prompts: list[list[int]], output_len: int,
     index = {rid: i for i, rid in enumerate(ids)}
     first: dict[int, float] = {}
     timed = Timed(time.perf_counter())
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params, prompt_token_ids=p)
+    for i, (rid, p) in enumerate(zip(ids, prompts)):
+        engine.add_request(rid, p, params, prompt_token_ids=p, lora_request=loras[i] if loras else None)
     while engine.has_unfinished_requests():
         deltas = engine.step()
         if deltas:

@@ -353,6 +353,12 @@ def long_context(ctx: BenchContext, a: argparse.Namespace) -> dict:
     return report
 
 
+def _lora_scenario(ctx: BenchContext, a: argparse.Namespace) -> dict:
+    from inferd.bench.lora import lora
+
+    return lora(ctx, a)
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -373,6 +379,13 @@ SCENARIOS: dict[str, Scenario] = {
             "requests sharing a long system prompt, arriving together: TTFT",
             {"num_prompts": 16, "prefix_len": 512, "input_len": 32, "output_len": 32, "runs": 2},
             shared_prefix,
+        ),
+        Scenario(
+            "lora",
+            "N concurrent requests over K LoRA adapters vs the same without LoRA: tok/s ratio",
+            {"num_prompts": 32, "input_len": 128, "output_len": 128, "runs": 3, "lora_adapters": 4,
+             "lora_rank": 8},
+            lambda ctx, a: _lora_scenario(ctx, a),
         ),
         Scenario(
             "long-context",

@@ -11,6 +11,7 @@ batches and `AsyncEngine` runs it on a thread or in a process of its own for ser
 
 from __future__ import annotations
 
+import copy
 import logging
 import numbers
 import threading
@@ -43,6 +44,9 @@ from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.kv.kv_events import make_publisher
 from inferd.kv.kv_groups import KVLayout
 from inferd.loader import LoadedModel, ModelLoadError, load_model
+from inferd.lora.adapter import LoRAError
+from inferd.lora.manager import LoRAManager, NoLoRA
+from inferd.lora.request import LoRARequest
 from inferd.models import build_model, model_spec
 from inferd.quantization.policy import describe as describe_quantization
 from inferd.quantization.policy import resident_weight_bytes, weight_bytes_by_mode
@@ -167,6 +171,9 @@ class EngineCore:
             self.max_model_len = self._max_model_len(layout, num_blocks, block_size)
             if self.max_model_len != self._model_positions:
                 model.set_rotary(self.max_model_len, loaded.weights.get("rope_freq_factors"), self.device)
+        self.lora = NoLoRA()
+        if config.lora.enable_lora:  # adapters' slots next to the model (docs/lora.md)
+            self.lora = LoRAManager(config.lora, model, mcfg, self.device)
         self.kv_events = make_publisher(config.cache.kv_events_endpoint, block_size)
         # One connector serves both sides here: the scheduler's and the runner's (its worker side).
         self.kv_block_layout = KVBlockLayout.of(fingerprint, mcfg, layout, block_size, kv_cache_dtype, self.dtype)
@@ -175,7 +182,8 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, layout,
                             self.kv_events, self.connector)  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, kv, StopCriteria(self.eos_token_ids, self.max_model_len),
-                                   clock=lambda: self.clock(), connector=self.connector)  # fmt: skip
+                                   clock=lambda: self.clock(), connector=self.connector,
+                                   max_loras=self.lora.max_loras)  # fmt: skip
         self._finished_seq_ids: list[int] = []  # last step's, for the connector's get_finished
         self.sampler = Sampler(mcfg.vocab_size, self.eos_token_ids, self.runner.readbacks)
         self.requests: dict[str, Request] = {}
@@ -348,13 +356,25 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. `prompt_token_ids`, when the caller already tokenized `prompt`
-        (with `validate`), saves tokenizing it twice."""
+        (with `validate`), saves tokenizing it twice. `lora_request` (or `params.lora_request`):
+        the adapter it runs under."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self.validate(prompt_token_ids if prompt_token_ids is not None else prompt, params)
+        lora = None
+        if lora_request is not None or params.lora_request is not None:
+            try:
+                lora = self.lora.resolve(lora_request or params.lora_request)
+            except LoRAError as e:
+                raise RequestError(str(e)) from e
+            # Its KV is the adapter's: cached under this load only, never shared with the base
+            # model, another adapter or another load of the same name.
+            params = copy.copy(params)
+            params.cache_salt = f"{params.cache_salt}|{lora.cache_salt}" if params.cache_salt else lora.cache_salt
         now = arrival_time if arrival_time is not None else self.clock()
         matcher = None
         if params.structured is not None:
@@ -375,6 +395,7 @@ class EngineCore:
             logprobs=[] if params.logprobs is not None else None,
             matcher=matcher,
             detok=IncrementalDetokenizer(self.tokenizer, params, token_ids),
+            lora=lora,
         )
         prompt_text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, prompt_text, list(token_ids), params, RequestMetrics(arrival_time=now))
@@ -433,6 +454,8 @@ class EngineCore:
         shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on
         self.spec.begin_step(out)
         masks = self._grammar_masks(out)
+        if self.lora.enabled:
+            self.lora.activate(seq.lora for seq, _ in out.scheduled if seq.lora is not None)
         logits, _, batch = self.runner.execute(out, all_hidden=self.spec.needs_hidden)
         self.spec.end_forward(out)
         sampled = self._sample(logits, batch, masks) + self.spec.verify(logits, batch)

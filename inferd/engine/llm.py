@@ -14,6 +14,7 @@ from inferd.engine.outputs import RequestOutput
 from inferd.engine.stats import EngineStats
 from inferd.engine_args import build_engine_config
 from inferd.loader import Tokenizer
+from inferd.lora.request import LoRARequest
 from inferd.sampling.params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -83,8 +84,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in order. Invalid prompts raise before anything runs."""
+        """One `RequestOutput` per prompt, in order. Invalid prompts raise before anything runs.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model; needs `enable_lora=True`)."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -95,6 +99,12 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
         token_ids: list[list[int]] = []
         for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             try:
@@ -104,8 +114,13 @@ class LLM:
             except RequestError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
-        for rid, p, toks, sp, prio in zip(ids, prompt_list, token_ids, params_list, priorities):
-            self.engine.add_request(rid, p, sp, priority=prio, prompt_token_ids=toks)
+        for i, (rid, p, toks, sp, prio) in enumerate(zip(ids, prompt_list, token_ids, params_list, priorities)):
+            try:
+                self.engine.add_request(rid, p, sp, priority=prio, prompt_token_ids=toks, lora_request=loras[i])
+            except RequestError as e:  # an adapter that does not load: nothing of this call runs
+                for added in ids[:i]:
+                    self.engine.abort_request(added)
+                raise ValueError(f"prompt {i}: {e}") from e
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import ModelConfig
+from inferd.distributed.group import TPGroup
 from inferd.engine.decode_buckets import DecodeBuckets, bucket_for, bucket_sizes
 from inferd.engine.readbacks import HostReadbacks
-from inferd.distributed.group import TPGroup
 from inferd.host_to_device import upload
 from inferd.kv.connectors.base import KVConnectorBase, NullConnector
 from inferd.kv.kv_cache import KVCache
@@ -128,6 +128,8 @@ class StepPlan:
     slot_copies: list[tuple[int, int]]
     block_copies: list[tuple[int, int]]
     kv_high_water: int = 0
+    # Per row, the LoRA slot of its sequence's adapter (-1: the base model); None: no adapted row.
+    lora_slots: list[int] | None = None
 
     def for_workers(self) -> StepPlan:
         """The plan without its sequences (rank 0's scheduler state, which workers never read)."""
@@ -266,8 +268,8 @@ class ModelRunner:
         if self.buckets is None or all_hidden:
             return None
         for seq, n in out.scheduled:
-            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.spec.leaves:
-                return None
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.spec.leaves or seq.lora is not None:
+                return None  # (an adapted row runs the unbucketed path: a graph has no LoRA delta)
         return bucket_for(len(out.scheduled), self.buckets.sizes)
 
     def _execute_bucket(self, out: SchedulerOutput, b: int) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
@@ -354,9 +356,14 @@ class ModelRunner:
                 slots[g].extend(leaves.slots[g])
             target = kernel_group if self.attention_kernel is not None else group
             target.extend(leaves.entries)
+        lora_slots = None
+        if any(seq.lora is not None for seq, _ in out.scheduled):
+            # Adapted sequences never speculate: no leaves among their rows, which come first.
+            lora_slots = [s for seq, n in out.scheduled for s in [-1 if seq.lora is None else seq.lora.slot] * n]
+            lora_slots += [-1] * (len(input_ids) - len(lora_slots))
         return StepPlan(input_ids, positions, slots, group, kernel_group, prefills, sample_rows,
                         sample_seqs, sample_counts, leaves, out.slot_copies, out.block_copies,
-                        out.kv_high_water)  # fmt: skip
+                        out.kv_high_water, lora_slots)  # fmt: skip
 
     def _prefill_mask(self, n: int, end: int) -> torch.Tensor | None:
         """A long chunk's mask: query i sits at position end - n + i and sees keys [0, that]."""
@@ -505,7 +512,14 @@ class ModelRunner:
         batch = self.build(plan)
         if batch.scratch_copies is not None and batch.scratch_copies[0]:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        lora = self.model.lora_slots if plan.lora_slots is not None else None
+        if lora is not None:
+            lora.begin_step(self.as_tensor(plan.lora_slots))
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        finally:
+            if lora is not None:
+                lora.end_step()
         if all_hidden:
             # A draft head reading more of the target: its captured layers' rows after each row's.
             captured = self.model.captured if self.model.capture_layers else ()

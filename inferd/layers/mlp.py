@@ -43,9 +43,15 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, hidden_size, bias=False)
         self.act_mul: ActMul | None = None  # set_act_mul, at load
+        # LoRA adapters' batched deltas (inferd/lora/slots.py), set with --enable-lora.
+        self.gate_up_lora = None
+        self.down_lora = None
 
     def set_act_mul(self, act_mul: ActMul) -> None:
         self.act_mul = act_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
+        if self.gate_up_lora is None:
+            return self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
+        h = self.act_mul(self.gate_up_lora.add(x, self.gate_up_proj.forward(x)))
+        return self.down_lora.add(h, self.down_proj.forward(h))

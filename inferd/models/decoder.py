@@ -40,6 +40,7 @@ from inferd.layers.moe import SparseMoE
 from inferd.layers.norm import RMSNorm
 from inferd.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from inferd.layers.rotary import RotaryEmbedding, Rotate, rope_parameters, select_rotary
+from inferd.lora.slots import LoRASite, LoRASlots
 from inferd.models.mla import MLAttention
 from inferd.models.spec import ACTIVATIONS, LayerSpec, ModelSpec, uniform_spec
 from inferd.quantization import formats, gguf_blocks
@@ -89,6 +90,9 @@ class Attention(nn.Module):
         # Chosen at load (DecoderForCausalLM.select_kernels).
         self.backend: AttentionBackend | None = None
         self.rotate: Rotate | None = None
+        # LoRA adapters' batched deltas (inferd/lora/slots.py), set with --enable-lora.
+        self.qkv_lora: LoRASite | None = None
+        self.o_lora: LoRASite | None = None
 
     def forward(
         self,
@@ -99,6 +103,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora.add(x, qkv)
         cos, sin = ropes[self.rope_index]
         if self.qk_norm_all:
             q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
@@ -121,7 +127,10 @@ class Attention(nn.Module):
         v = v.view(t, self.n_kv, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
                                  self.softcap)  # fmt: skip
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        if self.o_lora is not None:
+            return self.o_lora.add(o, self.o_proj.forward(o))
+        return self.o_proj.forward(o)
 
 
 class DecoderLayer(nn.Module):
@@ -207,6 +216,9 @@ class DecoderForCausalLM(nn.Module):
         self._embed_scale: float | None = spec.embed_scale
         # Off on tensor-parallel ranks: the C++ step runs whole layers, with no all-reduce inside.
         self.fused_decode = True
+        # With --enable-lora: the adapters' slots; a step with adapted rows runs the Python layer
+        # loop (the fused C++ step has no LoRA delta).
+        self.lora_slots: LoRASlots | None = None
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int, rope_freq_factors: torch.Tensor | None,
@@ -284,7 +296,8 @@ class DecoderForCausalLM(nn.Module):
                 and x.dtype == torch.float32 and x.is_cpu
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla)  # fmt: skip
+                and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla
+                and (self.lora_slots is None or self.lora_slots.masks is None))  # fmt: skip
 
     def _fused_weights(self, ext) -> tuple[list, list]:
         """The layers' weights and specs as decoder_layers takes them (built once)."""

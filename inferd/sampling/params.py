@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.structured.params import StructuredOutputsParams
 
@@ -34,6 +35,10 @@ class SamplingParams:
     # vLLM's: what a KV connector is asked to do for this request (prefill/decode disaggregation:
     # {"do_remote_decode": true}, or a transfer handle with "do_remote_prefill"; kv/connectors/pd).
     kv_transfer_params: dict | None = field(default=None, repr=False)
+    # The LoRA adapter the request runs under (inferd.lora.LoRARequest; None: the base model):
+    # set from `LLM.generate(lora_request=...)` or the server's `model` field, and carried with
+    # the parameters into the engine process.
+    lora_request: Any = field(default=None, repr=False)
     # Filled by validation: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 

@@ -95,10 +95,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop: StopCriteria | None = None,
                  cost: StepCost | None = None, clock: Callable[[], float] | None = None,
-                 connector: KVConnectorBase | None = None) -> None:  # fmt: skip
+                 connector: KVConnectorBase | None = None, max_loras: int = 0) -> None:  # fmt: skip
         """`cost`: the step cost model the latency budget predicts with (default: learnt from the
         steps the engine times); `clock`: the clock of the sequences' arrival times (for the TTFT
-        target); `connector`: the KV connector's scheduler side (inferd/kv/connectors/base.py)."""
+        target); `connector`: the KV connector's scheduler side (inferd/kv/connectors/base.py);
+        `max_loras`: the most LoRA adapters (`seq.lora`) running at once."""
         self.config = config
         self.kv = kv
         self.connector = connector or NullConnector(None, None)
@@ -122,6 +123,7 @@ class Scheduler:
         # seq_id → (prefix cache version, tokens it could serve) for waiting sequences: a lookup
         # walks the tree block by block, and its answer only changes when the tree does.
         self._cached_len_memo: dict[int, tuple[int, int]] = {}
+        self.max_loras = max_loras
 
     @property
     def num_unfinished(self) -> int:
@@ -281,6 +283,11 @@ class Scheduler:
         # Running sequences still computing their prompt: they may be computing blocks a waiting
         # sequence could reuse next step. (No preemption below: built once, grown on admission.)
         prefilling = [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
+        # LoRA adapters of the running sequences: at most max_loras (the step's slots). Once an
+        # adapted sequence waits for a slot, no adapted sequence behind it is admitted (base ones
+        # still are): running ones finish, an adapter leaves, and it takes the slot first.
+        adapters = {id(s.lora) for s in self.running if s.lora is not None}
+        lora_blocked = False
         while (
             len(self.waiting) > len(deferred)
             and min(budget, prefill_room) > 0
@@ -288,6 +295,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self._pick_waiting(deferred)
+            if seq.lora is not None and (lora_blocked or (id(seq.lora) not in adapters
+                                                          and len(adapters) >= self.max_loras)):  # fmt: skip
+                lora_blocked = True
+                deferred.add(seq.seq_id)
+                continue
             if self._prefix_in_flight(seq, prefilling):
                 deferred.add(seq.seq_id)  # wait for the running prefill to cache it, then reuse it
                 continue
@@ -333,6 +345,8 @@ class Scheduler:
             self._cached_len_memo.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(id(seq.lora))
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prefilling.append(seq)
             out.scheduled.append((seq, n))

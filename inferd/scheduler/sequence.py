@@ -106,6 +106,8 @@ class Sequence:
     # The text so far and stop strings (inferd.engine.detokenizer.IncrementalDetokenizer).
     detok: Any = None
     spec: SpecState = field(default_factory=lambda: SpecState())  # speculative decoding's
+    # The LoRA adapter load it runs under (inferd.lora.LoRAAdapter); None: the base model.
+    lora: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -146,4 +148,5 @@ class Sequence:
             generator=generator,
             logprobs=[] if self.logprobs is not None else None,
             matcher=self.matcher.copy() if self.matcher is not None else None,
+            lora=self.lora,
         )

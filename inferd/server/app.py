@@ -36,10 +36,11 @@ from inferd.server.protocol import (
     TokenizeResponse,
 )
 from inferd.server.replicas import Replica, ReplicaSet, model_loading_error
+from inferd.server.served_models import ServedModels
 from inferd.server.serving_chat import create_chat_completion, render_chat
 from inferd.server.serving_common import ServerState, encode
-from inferd.server.served_models import ServedModels
 from inferd.server.serving_completions import create_completion
+from inferd.server.serving_lora import adapter_cards, install_lora_routes
 from inferd.server.supervisor import SupervisionConfig
 
 logger = logging.getLogger("inferd.server")
@@ -63,6 +64,7 @@ def build_app(
     allow_control_tokens_in_content: bool = False,
     supervision: SupervisionConfig | None = None,
     enable_debug_endpoints: bool = False,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """An app serving `engine`, or several replicas of it (not started yet: the app's lifespan
     starts and stops them).
@@ -74,7 +76,8 @@ def build_app(
     `supervision`: restarts of a dead engine process, its heartbeat (supervisor.py; None: the
     defaults), for a lone `engine` (a `ReplicaSet` has its own); `enable_debug_endpoints`:
     /debug/* (debug.py). A `ModelPool` serves the several models it names (served_models.py),
-    each loaded on demand; `on_ready` is then the pool's own.
+    each loaded on demand; `on_ready` is then the pool's own. `lora_modules`: LoRA adapters
+    (name → path) the engines were started with, None when LoRA is off (serving_lora.py).
     """
     if isinstance(engine, AsyncEngine):
         engine = ReplicaSet([engine], served_model_names[0], supervision)
@@ -84,6 +87,7 @@ def build_app(
         replicas, served_model_names, max_log_len, log_requests, tool_call_parser,  # type: ignore[arg-type]
         limits=limits or AdmissionLimits(), prefix_cache_isolation=prefix_cache_isolation,
         allow_control_tokens_in_content=allow_control_tokens_in_content,
+        enable_lora=lora_modules is not None, lora_modules=dict(lora_modules or {}),
     )  # fmt: skip
     served = ServedModels(state, pool)
     # Set once every replica's startup line is logged: /health says 200 only then, so whatever
@@ -148,6 +152,7 @@ def build_app(
         install_debug_routes(app, served)
     if pool is not None:
         install_model_admin_routes(app, pool, state.limits.admin_api_key)
+    install_lora_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     @api_errors
@@ -164,7 +169,7 @@ def build_app(
     @app.get("/v1/models")
     @api_errors
     async def models() -> ModelList:
-        return ModelList(data=served.cards())
+        return ModelList(data=served.cards() + adapter_cards(state, state.created, state.max_model_len))
 
     @app.get("/health", response_model=None)
     @api_errors

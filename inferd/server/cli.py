@@ -238,6 +238,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_control_tokens_in_content=args.allow_control_tokens_in_content,
         supervision=supervision,
         enable_debug_endpoints=args.enable_debug_endpoints,
+        lora_modules=config.lora.modules if config.lora.enable_lora else None,
     )
     logger.info("starting the server on %s%s", url, "" if pool_config else "; loading the model")
     uvicorn.run(

@@ -227,6 +227,7 @@ async def create_chat_completion(
         structured=structured,
     )
     params.cache_salt = salt
+    params.lora_request = state.lora_request(model)
     if parser is not None and parser.needs_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token
     request_id = random_id("chatcmpl")

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from inferd.engine.async_engine import RequestStream, RequestUpdate
 from inferd.engine.outputs import RequestOutput
 from inferd.loader.tokenizer import Tokenizer
+from inferd.lora.request import LoRARequest
 from inferd.sampling.params import SamplingParams
 from inferd.server.errors import APIError, error_body, to_api_error
 from inferd.server.fair_share import share_window
@@ -49,6 +50,8 @@ class ServerState:
     prefix_cache_isolation: str = "none"  # privacy.py
     allow_control_tokens_in_content: bool = False  # control_tokens.py
     created: int = field(default_factory=lambda: int(time.time()))
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name → path
 
     @property
     def model_name(self) -> str:
@@ -56,15 +59,19 @@ class ServerState:
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
-        if model is None or model in self.served_model_names:
+        if model is None or model in self.served_model_names or model in self.lora_modules:
             return model or self.model_name
         raise APIError(
             404,
             f"the model `{model}` does not exist; this server serves "
-            f"{', '.join(repr(n) for n in self.served_model_names)}",
+            f"{', '.join(repr(n) for n in [*self.served_model_names, *self.lora_modules])}",
             param="model",
             code="model_not_found",
         )
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a request for `model` (checked by `check_model`) runs under."""
+        return LoRARequest(model) if model in self.lora_modules else None
 
     def ready_replicas(self) -> ReplicaSet:
         """The replicas, or 503 while none serves (the model loads, or failed, or died)."""

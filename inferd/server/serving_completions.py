@@ -101,6 +101,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     max_tokens = min(check_length(len(ids), req.max_tokens, max_len) for ids in prompts)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
     params.cache_salt = salt
+    params.lora_request = state.lora_request(model)
     request_id = random_id("cmpl")
     created = now_s()
     texts = [req.prompt] if isinstance(req.prompt, str) else None

@@ -106,10 +106,12 @@ class SpecDecoder(NoSpecDecoder):
         decoding = [s for s in running if s.num_uncomputed == 1 and s.num_output_tokens > 0]
         for seq in decoding:  # drafts of a step that had no room for them are stale
             seq.spec.clear()
-        # Not speculating: grammar-constrained sequences (their masks are per position), and
-        # seeded sampling, whose promise is the same output whatever the batch — how many drafts
-        # a step verifies depends on the batch, and so would the random draws.
-        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks and s.generator is None]
+        # Not speculating: grammar-constrained sequences (their masks are per position), seeded
+        # sampling, whose promise is the same output whatever the batch — how many drafts a step
+        # verifies depends on the batch, and so would the random draws — and LoRA requests (the
+        # proposers draft for the base model).
+        eligible = [s for s in decoding if s.matcher is None and not s.pending_forks
+                    and s.generator is None and s.lora is None]  # fmt: skip
         ks = self.policy.depths(eligible, len(decoding))
         chosen, depths = [], []
         for seq, k in zip(eligible, ks):
