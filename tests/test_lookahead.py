@@ -5,6 +5,8 @@ models."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from test_speculative import (  # noqa: F401 (fixed_speculation_costs: autouse)
     _assert_same_distribution,
@@ -79,7 +81,7 @@ def test_jacobi_guesses_become_drafts(tiny_llama_gguf):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [11, 23, 5, 67]}], params, use_tqdm=False)
     checked = 0
-    for (kind, size, rows), (next_kind, next_size, draft) in zip(log, log[1:]):
+    for (kind, size, rows), (next_kind, next_size, draft) in itertools.pairwise(log):
         if kind != "rows" or next_kind != "draft":
             continue
         # Accepted: rows[:m + 1] became real tokens (the size grew by m + 1); the rest of the
