@@ -358,7 +358,7 @@ class SchedulerConfig:
             raise ValueError(f"--ttft-slo-ms must be > 0, got {self.ttft_slo_ms}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "suffix", "lookahead", "draft_model", "eagle")
 # k when `num_speculative_tokens` is not given: suffix decoding drafts as far as its match is sure
 # (its own length rule), the others a short chain.
 _DEFAULT_DEPTH = {"suffix": 16}
@@ -368,8 +368,9 @@ _DEFAULT_DEPTH = {"suffix": 16}
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON shape): who proposes draft tokens and how many."""
 
-    method: str  # ngram (prompt lookup) | suffix (shared suffix index) | draft_model | eagle
-    # The most draft tokens per sequence per step (k). None: 16 for suffix, else 3.
+    method: str  # ngram (prompt lookup) | suffix (shared suffix index) | lookahead | draft_model | eagle
+    # The most draft tokens per sequence per step (k). None: 16 for suffix, lookahead's
+    # window + ngram - 1, else 3.
     num_speculative_tokens: int | None = None
     model: str | None = None  # draft_model: GGUF / HF dir; eagle: the head's directory
     # ngram: the longest and shortest suffix matched against the context. A 1-token match (a
@@ -400,6 +401,12 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_cached_tokens: int = 1 << 17
+    # lookahead only (inferd.spec.lookahead): W, the Jacobi window's guesses verified after a
+    # candidate; N, the n-gram size (a candidate is N - 1 drafts); G, the candidates kept per first
+    # token. None: W = k - (N - 1) when k is given, else 4; N = 4; G = 4.
+    lookahead_window: int | None = None
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -407,6 +414,7 @@ class SpeculativeConfig:
 
         if self.method not in SPECULATIVE_METHODS:
             bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        self._check_lookahead(bad)
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", _DEFAULT_DEPTH.get(self.method, 3))
         k = self.num_speculative_tokens
@@ -414,7 +422,7 @@ class SpeculativeConfig:
             bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         if self.method in ("draft_model", "eagle") and not self.model:
             bad(f'method "{self.method}" needs "model" (a path)')
-        if self.method in ("ngram", "suffix") and self.model is not None:
+        if self.method in ("ngram", "suffix", "lookahead") and self.model is not None:
             bad(f'method "{self.method}" takes no "model"')
         self._check_suffix(bad)
         if self.prompt_lookup_min is None and isinstance(self.prompt_lookup_max, int):
@@ -434,6 +442,38 @@ class SpeculativeConfig:
             bad(f"dynamic_tree must be true or false, got {self.dynamic_tree!r}")
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):
             bad(f"quantization must be auto, none, int8, int4 or fp8; got {self.quantization!r}")
+
+    def _check_lookahead(self, bad: Callable[[str], None]) -> None:
+        """W, N and G validated and defaulted; k defaults to W + N - 1 (a candidate and the
+        window in one chain)."""
+        names = ("lookahead_window", "lookahead_ngram", "lookahead_guesses")
+        given = [name for name in names if getattr(self, name) is not None]
+        if self.method != "lookahead":
+            if given:
+                bad(f'{", ".join(given)}: only for method "lookahead", not {self.method!r}')
+            return
+        for name, lo, hi in zip(names, (1, 2, 1), (16, 8, 64)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi):
+                bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        n = self.lookahead_ngram or 4
+        k = self.num_speculative_tokens
+        if self.lookahead_window is None:
+            w = 4 if not isinstance(k, int) or isinstance(k, bool) else max(1, k - (n - 1))
+        else:
+            w = self.lookahead_window
+        if k is None:
+            k = w + n - 1
+            if k > 16:
+                bad(f"lookahead_window + lookahead_ngram - 1 must be <= 16 (the drafts of a step), "
+                    f"got {w} + {n} - 1")  # fmt: skip
+            object.__setattr__(self, "num_speculative_tokens", k)
+        elif isinstance(k, int) and not isinstance(k, bool) and 1 <= k < n - 1:
+            bad(f"num_speculative_tokens ({k}) must be >= lookahead_ngram - 1 ({n - 1}): a "
+                f"candidate n-gram is verified whole")  # fmt: skip
+        object.__setattr__(self, "lookahead_window", w)
+        object.__setattr__(self, "lookahead_ngram", n)
+        object.__setattr__(self, "lookahead_guesses", self.lookahead_guesses or 4)
 
     def _check_suffix(self, bad: Callable[[str], None]) -> None:
         given = [f.name for f in dataclasses.fields(self) if f.name.startswith("suffix_decoding_")

@@ -72,3 +72,15 @@ def test_bench_spec_repeat_task_drafts_earlier_answers(long_context_tiny, capsys
     assert [r["config"] for r in report["rows"]] == ["off", "suffix k=8"]
     suffix = report["rows"][1]
     assert suffix["acceptance_rate"] == 1.0 and suffix["mean_acceptance_length"] > 3, suffix
+
+
+def test_bench_spec_lookahead(long_context_tiny, capsys) -> None:
+    """Lookahead decoding runs beside speculation off, its greedy outputs identical (the bench
+    refuses otherwise) and its drafts verified."""
+    model = str(long_context_tiny.path)
+    argv = ["bench", "spec", "--model", model, "--max-tokens", "16", "--runs", "1", "--tasks", "chat",
+            "--no-ngram", "--lookahead", "--lookahead-k", "4", "--kv-cache-memory", str(4 << 20)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["config"] for r in report["rows"]] == ["off", "lookahead k=4"]
+    assert report["identical_greedy_outputs"]

@@ -107,6 +107,8 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
                 configs.append((f"eagle k={k} chain", {**configs[-1][1], "dynamic_tree": False}))
     for k in args.suffix_k if args.suffix else ():
         configs.append((f"suffix k={k}", {"method": "suffix", "num_speculative_tokens": k}))
+    for k in args.lookahead_k if args.lookahead else ():
+        configs.append((f"lookahead k={k}", {"method": "lookahead", "num_speculative_tokens": k}))
     return configs
 
 
@@ -249,6 +251,10 @@ def add_spec_parser(sub) -> None:
                    help="add suffix decoding (drafts from this and earlier requests' text)")
     p.add_argument("--suffix-k", type=int, nargs="+", default=[16],
                    help="suffix decoding's depths (k) to compare")
+    p.add_argument("--lookahead", action="store_true",
+                   help="add lookahead decoding (drafts from the target's own Jacobi iterations)")
+    p.add_argument("--lookahead-k", type=int, nargs="+", default=[7],
+                   help="lookahead decoding's depths (k: a candidate n-gram and the window's guesses)")
     p.add_argument("--no-ngram", action="store_true",
                    help="leave prompt lookup out (e.g. a chat-only run of the models' proposers)")
     add_threads_arg(p)

@@ -66,6 +66,9 @@ class Verified:
     logprobs: list[TokenLogprob | None]
     num_accepted: int  # drafts among token_ids, an accepted leaf included
     leaf: int | None = None  # index into seq.spec.leaves of the accepted leaf
+    # The target's argmax after each of the chain's 1 + k rows (after every logits processor),
+    # accepted or not: beyond a rejection, a Jacobi update of the drafts (inferd.spec.lookahead).
+    row_argmax: list[int] | None = None
 
 
 def draft_views(seq: Sequence) -> list[DraftView]:
@@ -129,7 +132,7 @@ def verify(
         if raw_logprobs is not None and seq.params.logprobs is not None:
             n_top = seq.params.logprobs
             logprobs = [token_logprob(raw_logprobs[r], t, n_top) for r, t in zip(rows, tokens)]
-        results.append(Verified(tokens, logprobs, m, leaf))
+        results.append(Verified(tokens, logprobs, m, leaf, targets[row : row + k + 1]))
         row += k + 1 + len(seq.spec.leaves)
     return results
 

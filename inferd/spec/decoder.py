@@ -167,6 +167,8 @@ class SpecDecoder(NoSpecDecoder):
                 row0, first_leaf = batch.leaf_rows[seq.seq_id]
                 depth = seq.spec.leaves[res.leaf][0]
                 batch.hidden[row0 + depth] = batch.hidden[first_leaf + res.leaf]
+            if self.proposer.wants_row_argmax:
+                self.proposer.verified(seq, res.row_argmax)
             self._record(seq, res.num_accepted, res.leaf is not None)
             sampled.append(SampledTokens(seq, res.token_ids, res.logprobs, res.num_accepted, res.leaf))
         self._depth = max(s.spec.depth for s in seqs)

@@ -55,6 +55,10 @@ class Proposer(ABC):
       states of the positions the step computed for each running sequence: its first position
       and the rows [n, hidden] (prompt chunks, plain decodes, a verification's last real token
       and accepted drafts). The token after every one of them is in `seq.token_ids` by then.
+    - `verified` receives, only if `wants_row_argmax`, right after a sequence's drafts were
+      verified (before the accepted tokens are appended), the target's argmax after each of the
+      chain's 1 + k rows: accepted or not (a rejected draft's row still predicts the token after
+      it, given the drafts before it).
     - `release` forgets a sequence that finished or was aborted; its resources go back.
     """
 
@@ -62,6 +66,7 @@ class Proposer(ABC):
     needs_hidden: bool = False
     ranks_drafts: bool = False
     shares_across_requests: bool = False  # drafts from what earlier requests wrote (`forget`)
+    wants_row_argmax: bool = False  # `verified` is called
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
@@ -69,6 +74,9 @@ class Proposer(ABC):
 
     def observe(self, seqs: list[Sequence], starts: list[int], hidden: list[torch.Tensor]) -> None:
         """hidden[i]: [n_i, hidden_size], positions starts[i] .. starts[i] + n_i - 1 of seqs[i]."""
+
+    def verified(self, seq: Sequence, row_argmax: list[int]) -> None:
+        """row_argmax[i]: the target's token after the last real token and drafts 1..i."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (n > 1) starts as a copy of `parent`, whose prompt it shares."""
@@ -94,6 +102,10 @@ def build_proposer(ctx: ProposerContext) -> Proposer:
         from inferd.spec.suffix import SuffixProposer
 
         return SuffixProposer(spec)
+    if spec.method == "lookahead":
+        from inferd.spec.lookahead import LookaheadProposer
+
+        return LookaheadProposer(spec)
     if spec.method == "draft_model":
         from inferd.spec.draft_model import DraftModelProposer
 

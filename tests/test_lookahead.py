@@ -1,0 +1,160 @@
+"""Lookahead decoding: drafts from the target's own Jacobi iterations and an n-gram pool.
+Lossless (greedy identical to speculation off in a batch with prefix-cache hits and structured
+output, sampling distribution unchanged), no state left behind, bad settings refused; tiny random
+models."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from test_speculative import (  # noqa: F401 (fixed_speculation_costs: autouse)
+    _assert_same_distribution,
+    _llm,
+    _token_histograms,
+    fixed_speculation_costs,
+)
+
+from inferd import SamplingParams
+from inferd.config import SpeculativeConfig
+from inferd.spec.lookahead import LookaheadProposer, NgramPool
+from inferd.structured import StructuredOutputsParams
+
+LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
+
+
+def _requests() -> tuple[list[dict], list[SamplingParams]]:
+    """Greedy requests, two of them the same, one under a grammar, one with n = 2; long enough
+    that the random model's text repeats itself (so that some drafts are accepted)."""
+    base = [11, 23, 5, 67, 8, 90, 12, 34, 5, 67, 8, 41, 2, 9, 77, 31]
+    prompts = [base, list(range(5, 40)), base, base[:9] + [3, 4, 5, 3, 4, 5], base * 2]
+    params = [
+        SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=83, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputsParams(regex="[ab]{4,9}")),
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, n=2, repetition_penalty=1.2),
+    ]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def _texts(llm) -> list[list[list[int]]]:
+    outs = llm.generate(*_requests(), use_tqdm=False)
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+def test_greedy_identical_batched_with_prefix_hits_and_structured_output(tiny_llama_gguf):
+    off = _llm(tiny_llama_gguf.path, max_num_batched_tokens=64)
+    on = _llm(tiny_llama_gguf.path, LOOKAHEAD, max_num_batched_tokens=64)
+    # Every sequence drafts 6 at every step: a random model's Jacobi guesses are rarely right,
+    # and the policy would soon leave them unverified.
+    on.engine.spec_policy.depths = lambda seqs, batch_size: [6] * len(seqs)
+    want = _texts(off)
+    assert _texts(on) == want
+    stats = on.engine.get_stats()
+    hits, accepted = stats.prefix_cache_hits_total, stats.spec_accepted_tokens
+    assert 0 < accepted < stats.spec_draft_tokens
+    on.engine.check_no_leaks()
+    assert _texts(on) == want  # every prompt now a prefix-cache hit
+    assert stats.prefix_cache_hits_total > hits
+    on.engine.check_no_leaks()
+
+
+def test_jacobi_guesses_become_drafts(tiny_llama_gguf):
+    """With no candidate from the pool, the drafts after the first step are the target's own
+    outputs of the last verification's rows, moved past what was accepted."""
+    llm = _llm(tiny_llama_gguf.path, {"method": "lookahead", "num_speculative_tokens": 4})
+    llm.engine.spec_policy.depths = lambda seqs, batch_size: [4] * len(seqs)
+    proposer = llm.engine.proposer
+    proposer.pools.best = lambda pool, first: ()
+    log: list[tuple[str, int, list[int]]] = []
+
+    def propose(seqs, ks, *args, **kwargs):
+        LookaheadProposer.propose(proposer, seqs, ks, *args, **kwargs)
+        log.extend(("draft", s.num_tokens, list(s.spec.token_ids)) for s in seqs)
+
+    def verified(seq, row_argmax):
+        log.append(("rows", seq.num_tokens, list(row_argmax)))
+        LookaheadProposer.verified(proposer, seq, row_argmax)
+
+    proposer.propose, proposer.verified = propose, verified
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [11, 23, 5, 67]}], params, use_tqdm=False)
+    checked = 0
+    for (kind, size, rows), (next_kind, next_size, draft) in itertools.pairwise(log):
+        if kind != "rows" or next_kind != "draft":
+            continue
+        # Accepted: rows[:m + 1] became real tokens (the size grew by m + 1); the rest of the
+        # rows are the guesses for the positions after them.
+        m = next_size - size - 1
+        assert draft[: len(rows) - m - 1] == rows[m + 1 :]
+        checked += 1
+    assert checked >= 3
+    del proposer.propose, proposer.verified
+    llm.engine.check_no_leaks()
+
+
+def test_pool_keeps_the_most_seen_continuations():
+    pool: dict = {}
+    rules = NgramPool(n=3, guesses=2)
+    for ngram in [(1, 2, 3), (1, 4, 5), (1, 2, 3), (1, 6, 7)]:  # (1, 4, 5) seen least: dropped
+        rules.add(pool, ngram)
+    assert pool == {1: {(2, 3): 2, (6, 7): 1}}
+    assert rules.best(pool, 1) == (2, 3)
+    rules.add(pool, (1, 6, 7))  # a tie: the latest wins
+    assert rules.best(pool, 1) == (6, 7)
+    assert rules.best(pool, 9) == ()
+
+
+def test_sampling_keeps_the_distribution(tiny_llama_gguf):
+    """At temperature 0.8 with penalties and min_p, token frequencies at every verified position
+    match speculation off (chi-square test)."""
+    params = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.2, max_tokens=4, ignore_eos=True)  # fmt: skip
+    off_llm = _llm(tiny_llama_gguf.path, max_num_seqs=256)
+    # The model's own greedy text (a random model soon repeats itself) seeds the pool with
+    # n-grams the model is likely to say next: some drafts are accepted and some are not.
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    seed = list(range(3, 19))
+    prompt = seed + list(off_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    samples = 1000
+    off = _token_histograms(off_llm, prompt, params, samples)
+    on_llm = _llm(tiny_llama_gguf.path, {"method": "lookahead", "num_speculative_tokens": 3,
+                                         "lookahead_ngram": 2},
+                  max_num_seqs=256, kv_cache_memory=8 << 20)  # fmt: skip
+    on_llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
+    on = _token_histograms(on_llm, prompt, params, samples)
+    stats = on_llm.engine.get_stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
+    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
+        _assert_same_distribution(off[pos], on[pos], pos)
+    on_llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "lookahead", "lookahead_window": 0}', "lookahead_window must be"),
+    ('{"method": "lookahead", "lookahead_window": 2.5}', "lookahead_window must be"),
+    ('{"method": "lookahead", "lookahead_ngram": 1}', "lookahead_ngram must be"),
+    ('{"method": "lookahead", "lookahead_ngram": 9}', "lookahead_ngram must be"),
+    ('{"method": "lookahead", "lookahead_guesses": 0}', "lookahead_guesses must be"),
+    ('{"method": "lookahead", "lookahead_guesses": true}', "lookahead_guesses must be"),
+    ('{"method": "lookahead", "lookahead_window": 12, "lookahead_ngram": 8}', "must be <= 16"),
+    ('{"method": "lookahead", "num_speculative_tokens": 2, "lookahead_ngram": 5}', "lookahead_ngram - 1"),
+    ('{"method": "lookahead", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+    ('{"method": "lookahead", "model": "x.gguf"}', "takes no \"model\""),
+    ('{"method": "ngram", "lookahead_window": 4}', "only for method \"lookahead\""),
+    ('{"method": "lookahead", "lookahead_windows": 4}', "unknown keys"),
+])  # fmt: skip
+def test_bad_config_is_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_defaults():
+    spec = SpeculativeConfig.parse('{"method": "lookahead"}')
+    w, n, g = spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_guesses
+    assert (w, n, g, spec.num_speculative_tokens) == (4, 4, 4, 7)
+    spec = SpeculativeConfig.parse('{"method": "lookahead", "num_speculative_tokens": 10}')
+    assert (spec.lookahead_window, spec.num_speculative_tokens) == (7, 10)
+    spec = SpeculativeConfig.parse('{"method": "lookahead", "lookahead_window": 2, "lookahead_ngram": 3}')
+    assert spec.num_speculative_tokens == 4
