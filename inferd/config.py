@@ -358,7 +358,7 @@ class SchedulerConfig:
             raise ValueError(f"--ttft-slo-ms must be > 0, got {self.ttft_slo_ms}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "lookahead", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa")
 # k when `num_speculative_tokens` is not given: suffix decoding drafts as far as its match is sure
 # (its own length rule), the others a short chain.
 _DEFAULT_DEPTH = {"suffix": 16}
@@ -368,11 +368,11 @@ _DEFAULT_DEPTH = {"suffix": 16}
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON shape): who proposes draft tokens and how many."""
 
-    method: str  # ngram (prompt lookup) | suffix (shared suffix index) | lookahead | draft_model | eagle
+    method: str  # ngram (prompt lookup) | suffix (shared suffix index) | lookahead | draft_model | eagle | medusa
     # The most draft tokens per sequence per step (k). None: 16 for suffix, lookahead's
     # window + ngram - 1, else 3.
     num_speculative_tokens: int | None = None
-    model: str | None = None  # draft_model: GGUF / HF dir; eagle: the head's directory
+    model: str | None = None  # draft_model: GGUF / HF dir; eagle, medusa: the head's directory
     # ngram: the longest and shortest suffix matched against the context. A 1-token match (a
     # "the", a newline) predicts its continuation poorly: its rejected drafts cost verification
     # and drag the running acceptance rate (and so k) down for the good matches; on the bench's
@@ -385,11 +385,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # draft_model only: its weights' --quantization (default: the target's).
     quantization: str | None = None
-    # eagle only: the head's top-`draft_topk` tokens at each depth are verified; the first
+    # eagle and medusa: the head's top-`draft_topk` tokens at each depth are verified; the first
     # continues the chain, the others are leaves of a draft tree (greedy requests only). The
     # policy verifies leaves only while they pay for their rows (inferd.spec.policy).
     draft_topk: int = 1
-    # eagle only, greedy requests, draft_topk 1: a verification of k drafts spends its k rows on
+    # eagle and medusa, greedy requests, draft_topk 1: a verification of k drafts spends its k rows on
     # the k nodes of the chain and the head's runner-up at each depth that the head finds likeliest
     # (EAGLE-2's dynamic tree; inferd.spec.draft_tree). False: always the chain.
     dynamic_tree: bool = True
@@ -420,7 +420,7 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             bad(f'method "{self.method}" needs "model" (a path)')
         if self.method in ("ngram", "suffix", "lookahead") and self.model is not None:
             bad(f'method "{self.method}" takes no "model"')
@@ -436,8 +436,8 @@ class SpeculativeConfig:
         t = self.draft_topk
         if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 8:
             bad(f"draft_topk must be an integer in [1, 8], got {t!r}")
-        if t > 1 and self.method != "eagle":
-            bad(f'draft_topk > 1 needs method "eagle", got {self.method!r}')
+        if t > 1 and self.method not in ("eagle", "medusa"):
+            bad(f'draft_topk > 1 needs method "eagle" or "medusa", got {self.method!r}')
         if not isinstance(self.dynamic_tree, bool):
             bad(f"dynamic_tree must be true or false, got {self.dynamic_tree!r}")
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):

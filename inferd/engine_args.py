@@ -176,7 +176,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "compile" + shown, type=float)
     add("--speculative-config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), draft_model ("model": '
-        'path), eagle ("model": a trained head\'s directory)')
+        'path), eagle, medusa ("model": a trained head\'s directory)')
     add("--tensor-parallel-size", "ranks that each hold a slice of every layer (heads, MLP rows, "
         "vocabulary), in worker processes on this host; on a CPU each rank takes cores / N "
         "threads" + shown, "-tp", type=int)

@@ -105,6 +105,10 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
                              "draft_topk": topk}))  # fmt: skip
             if topk == 1 and getattr(args, "chain", False):  # the dynamic tree's own gain
                 configs.append((f"eagle k={k} chain", {**configs[-1][1], "dynamic_tree": False}))
+        for topk in args.draft_topk if getattr(args, "medusa", None) else ():
+            configs.append((f"medusa k={k}" + (f" topk={topk}" if topk > 1 else ""),
+                            {"method": "medusa", "model": args.medusa, "num_speculative_tokens": k,
+                             "draft_topk": topk}))  # fmt: skip
     for k in args.suffix_k if args.suffix else ():
         configs.append((f"suffix k={k}", {"method": "suffix", "num_speculative_tokens": k}))
     for k in args.lookahead_k if args.lookahead else ():
@@ -242,8 +246,9 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="draft depths to compare")
     p.add_argument("--draft-model", default=None, help="a draft model (GGUF / HF dir) sharing the tokenizer")
     p.add_argument("--eagle", default=None, help="a trained draft head directory (inferd.train.train_eagle)")
+    p.add_argument("--medusa", default=None, help="trained Medusa heads' directory (inferd.train.train_medusa)")
     p.add_argument("--draft-topk", type=int, nargs="+", default=[1],
-                   help="eagle: draft trees to compare (1: k rows, the chain or, greedy, "
+                   help="eagle, medusa: draft trees to compare (1: k rows, the chain or, greedy, "
                         "its likeliest nodes with runner-ups; t: t - 1 more leaves per depth)")
     p.add_argument("--chain", action="store_true",
                    help="also run each eagle depth as plain chains (dynamic_tree off)")

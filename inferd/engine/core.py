@@ -112,8 +112,8 @@ class EngineCore:
         if tp > 1:  # before anything is built: heads or vocabulary that do not split
             check_tensor_parallel(mcfg, tp)
             check_placement(tp, self.device)
-            if config.speculative is not None and config.speculative.method == "eagle":
-                raise ValueError("--tensor-parallel-size > 1 with an EAGLE head is not supported "
+            if config.speculative is not None and config.speculative.method in ("eagle", "medusa"):
+                raise ValueError("--tensor-parallel-size > 1 with a learned draft head is not supported "
                                  "(the head reads the target's whole LM head)")  # fmt: skip
         # Per rank: each tensor-parallel rank's pool holds its KV heads of every block.
         bytes_per_block = (kv_bytes_per_token(shard_config(mcfg, tp), self.dtype, kv_cache_dtype) * layout.group_size

@@ -110,6 +110,10 @@ def build_proposer(ctx: ProposerContext) -> Proposer:
         from inferd.spec.draft_model import DraftModelProposer
 
         return DraftModelProposer(ctx)
+    if spec.method == "medusa":
+        from inferd.spec.medusa import MedusaProposer
+
+        return MedusaProposer(ctx)
     from inferd.spec.eagle import EagleProposer
 
     return EagleProposer(ctx)

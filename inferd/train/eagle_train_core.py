@@ -314,18 +314,22 @@ def chain_drafts(
 
 @torch.no_grad()
 def measure_acceptance(
-    head: EagleHead,
+    head: EagleHead | None,
     data: HiddenStates,
     starts: list[int],
     ks: tuple[int, ...] = (3, 5),
+    drafts_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Mean acceptance length (accepted drafts + 1 bonus token per verification step) at
     temperature 0 along each sequence, which must be the target's greedy continuation from
     `starts[i]` (the last prompt position) on. Also the per-position mean (every start drafted).
 
     Drafting uses the head's bound target (its embedding and LM head, the draft vocabulary when
-    set): what the engine runs."""
+    set): what the engine runs. `drafts_fn(tokens, hidden, k)` -> [T - 1, k] drafts another
+    head's way (as `chain_drafts`), instead of `head`'s chains."""
     kmax = max(ks)
+    if drafts_fn is None:
+        drafts_fn = lambda tokens, hidden, k: chain_drafts(head, tokens, hidden, k)  # noqa: E731
     result: dict[str, float] = {}
     emitted: dict[int, list[int]] = {k: [] for k in ks}
     per_pos: list[torch.Tensor] = []
@@ -333,7 +337,7 @@ def measure_acceptance(
         n = len(tokens)
         if n - start - 2 <= 0:
             continue
-        drafts = chain_drafts(head, tokens, hidden.float(), kmax)
+        drafts = drafts_fn(tokens, hidden.float(), kmax)
         pos = torch.arange(start, n - 1)  # positions with a known next token
         # reference[p, j] = the token drafted j + 1 steps from p should equal; -1 past the end.
         ref_idx = pos[:, None] + 2 + torch.arange(kmax)[None, :]
