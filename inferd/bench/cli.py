@@ -5,6 +5,7 @@ from __future__ import annotations
 
 def add_bench_parser(sub) -> None:
     from inferd.bench.allreduce import add_allreduce_parser
+    from inferd.bench.data_parallel import add_data_parallel_parser
     from inferd.bench.latency import add_latency_parser
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.prefix import add_prefix_parser
@@ -27,3 +28,4 @@ def add_bench_parser(sub) -> None:
     add_soak_parser(bench_sub)
     add_router_overhead_parser(bench_sub)
     add_allreduce_parser(bench_sub)
+    add_data_parallel_parser(bench_sub)

@@ -185,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         stream_interval=args.stream_interval,
         max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
+        parallel=config.parallel,
     )
     if data_parallel.size > 1:
         logger.info("%d replicas (%s backend, routed by %s): %s; HTTP front end unpinned",
