@@ -574,6 +574,8 @@ class LoRAConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# Ray's placement group strategies for a model's tensor-parallel ranks (one bundle per rank).
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,9 +584,12 @@ class ParallelConfig:
 
     # Ranks that each hold a slice of every layer (heads, MLP rows, vocabulary); rank 0 schedules.
     tensor_parallel_size: int = 1
-    # How ranks and replicas start: "mp" = processes on this host (spawned); "ray" = `serve
-    # --data-parallel-size` replicas as Ray actors (tensor-parallel ranks run as "mp" only).
+    # How ranks and replicas start: "mp" = processes on this host (spawned); "ray" = Ray actors
+    # (tensor-parallel ranks, and `serve --data-parallel-size` replicas) on a Ray cluster.
     distributed_executor_backend: str = "mp"
+    # With "ray": how a model's ranks are placed. STRICT_PACK keeps them on rank 0's node (the
+    # shared-memory all-reduce); SPREAD lets them span nodes (gloo over the network).
+    ray_placement_strategy: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -593,10 +598,10 @@ class ParallelConfig:
             raise ValueError(f"--distributed-executor-backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got "
                              f"{self.distributed_executor_backend!r}")  # fmt: skip
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "ray":
-            raise ValueError("--tensor-parallel-size > 1 runs its ranks as processes on this host "
-                             "(--distributed-executor-backend mp); Ray places --data-parallel-size "
-                             "replicas only")  # fmt: skip
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"--ray-placement-strategy must be one of "
+                             f"{', '.join(RAY_PLACEMENT_STRATEGIES)}; got "
+                             f"{self.ray_placement_strategy!r}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from inferd.config import (
     KV_CACHE_DTYPES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    RAY_PLACEMENT_STRATEGIES,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -178,12 +179,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         '"num_speculative_tokens": 3}\'; methods: ngram (prompt lookup), draft_model ("model": '
         'path), eagle, medusa ("model": a trained head\'s directory)')
     add("--tensor-parallel-size", "ranks that each hold a slice of every layer (heads, MLP rows, "
-        "vocabulary), in worker processes on this host; on a CPU each rank takes cores / N "
-        "threads" + shown, "-tp", type=int)
+        "vocabulary), in worker processes on this host (or Ray actors); on a CPU each rank takes "
+        "cores / N threads" + shown, "-tp", type=int)
     add("--distributed-executor-backend", "how ranks and replicas start: mp = processes on this "
-        "host; ray = serve's --data-parallel-size replicas as actors on the Ray cluster at "
-        "--ray-address, one placement group each (pip install 'inferd[ray]')" + shown,
-        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+        "host; ray = tensor-parallel ranks and serve's --data-parallel-size replicas as actors on "
+        "a Ray cluster (serve: --ray-address), one placement group per replica "
+        "(pip install 'inferd[ray]')" + shown, choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    add("--ray-placement-strategy", "with ray: how a replica's tensor-parallel ranks are placed, "
+        "one bundle each: STRICT_PACK = all on one node (shared-memory all-reduce), SPREAD / PACK "
+        "/ STRICT_SPREAD = across nodes as Ray allows" + shown, choices=RAY_PLACEMENT_STRATEGIES)
     g.add_argument("--kv-transfer-config", default=None,
                    help='a KV connector as vLLM configures one: \'{"kv_connector": NAME, "kv_role": '
                    '"kv_both", "kv_connector_extra_config": {...}}\' (docs/kv-connectors.md)')  # fmt: skip

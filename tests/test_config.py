@@ -95,6 +95,7 @@ def test_flags_and_llm_keywords_name_the_same_settings(tmp_path) -> None:
             "--structured-output-timeout", "2.5",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
             "--log-stats-interval", "1", "--tensor-parallel-size", "2",
+            "--distributed-executor-backend", "ray", "--ray-placement-strategy", "SPREAD",
             "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-offload-dir", str(tmp_path),
             "--kv-offload-size", "1GiB", "--kv-offload-cpu", "64MiB"]  # fmt: skip
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
@@ -106,14 +107,14 @@ def test_flags_and_llm_keywords_name_the_same_settings(tmp_path) -> None:
         max_step_latency_factor=2.0, ttft_slo_ms=500.0,
         disable_hybrid_kv_cache_manager=True, structured_output_timeout=2.5,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
-        tensor_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557", kv_offload_dir=str(tmp_path),
+        tensor_parallel_size=2, distributed_executor_backend="ray", ray_placement_strategy="SPREAD",
+        kv_events_endpoint="tcp://127.0.0.1:5557", kv_offload_dir=str(tmp_path),
         kv_offload_size=1 << 30, kv_offload_cpu=64 << 20,
     )  # fmt: skip
     assert cli == llm
     defaults = EngineConfig()
-    # The argv above moves every flag off its default (but the executor backend: "ray" places
-    # data-parallel replicas only, and the argv asks for tensor parallelism).
-    for name in set(ENGINE_ARGS) - NOT_FLAGS - {"distributed_executor_backend"}:
+    # The argv above moves every flag off its default.
+    for name in set(ENGINE_ARGS) - NOT_FLAGS:
         assert _value(cli, name) != _value(defaults, name), name
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 def add_bench_parser(sub) -> None:
     from inferd.bench.allreduce import add_allreduce_parser
+    from inferd.bench.data_parallel import add_data_parallel_parser
     from inferd.bench.latency import add_latency_parser
     from inferd.bench.offline import add_offline_parser
     from inferd.bench.pd import add_pd_parser
@@ -31,3 +32,4 @@ def add_bench_parser(sub) -> None:
     add_allreduce_parser(bench_sub)
     add_pd_parser(bench_sub)
     add_swap_parser(bench_sub)
+    add_data_parallel_parser(bench_sub)

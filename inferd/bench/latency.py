@@ -33,7 +33,7 @@ from inferd.bench.roofline import (
     measure_roofline,
     step_cost,
 )
-from inferd.config import KV_CACHE_DTYPES
+from inferd.config import DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES
 from inferd.engine_args import parse_bytes
 from inferd.kv.kv_cache import kv_bytes_per_token
 
@@ -185,7 +185,8 @@ def run_latency(args: argparse.Namespace) -> dict:
               max_num_seqs=b, max_num_batched_tokens=max(2048, b * n_in),
               enable_prefix_caching=False, kv_cache_memory=kv_memory,
               kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+              tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=args.distributed_executor_backend)  # fmt: skip
     engine = llm.engine
     engine.runner.wait_kv_prefault()
     cost = engine_step_cost(engine)
@@ -273,6 +274,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         "batch_size": b, "input_len": n_in, "temperature": args.temperature, "top_p": args.top_p,
         "output_len": n_out, "runs": args.runs, "threads": torch.get_num_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
         **cpu_kernels_report(), "roofline": roof.as_dict(),
         "weight_mb_per_step": round(cost.weight_bytes_read(b) / 1e6, 1),
         "mflop_per_token": round(cost.linear_flops_per_token / 1e6, 1), "limits": limits,
@@ -326,4 +328,6 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="inferd's ranks (docs/scale-out.md): each takes cores / N threads, "
                         "overriding --threads")  # fmt: skip
+    p.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                   default="mp", help="how the ranks start: mp processes, or ray actors")  # fmt: skip
     p.set_defaults(func=run_latency)

@@ -1,28 +1,26 @@
-"""Tensor parallelism's processes (`--distributed-executor-backend mp`): rank 0 is the engine
-(scheduler, sampler, its own shard); ranks 1..N-1 are spawned workers that hold their shards and
-KV pools and run each step rank 0 broadcasts (`ModelRunner.run`), nothing else.
+"""Tensor parallelism's rank 0: the engine (scheduler, sampler, its own shard) and the worker
+ranks 1..N-1 that hold their shards and KV pools and run each step rank 0 broadcasts
+(`ModelRunner.run`), nothing else. The workers are spawned processes on this host
+(`--distributed-executor-backend mp`, mp_ranks.py) or Ray actors (`ray`, ray_ranks.py), behind one
+`Ranks` interface.
 
-Start-up: rank 0 spawns the workers, which report that they are up; all ranks then join the
-group; rank 0 cuts every rank's weights out of the checkpoint it loaded and hands each worker its
-shard through shared memory (a torch.multiprocessing queue: no second read of the file); every
-rank builds its model; the workers report ready, or the error that stopped them, which rank 0
-raises as its own. Shut-down: rank 0 broadcasts `None`.
+Start-up: rank 0 cuts its own shard first (a weight that cannot split fails before anything
+starts), starts the workers, and all ranks join the group (a TCP store at an address rank 0
+picks); rank 0 cuts every worker's shard out of the checkpoint it loaded (the file is read once)
+and hands it over; every rank builds its model; the workers report ready, or the error that
+stopped them, which rank 0 raises as its own. Shut-down: rank 0 broadcasts `None`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import multiprocessing
 import os
 import socket
-import threading
-import time
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.multiprocessing as tmp
 
 from inferd.config import EngineConfig, ModelConfig
 from inferd.distributed.group import TPGroup
@@ -30,13 +28,12 @@ from inferd.distributed.parallel_layers import parallelize
 from inferd.distributed.shard import check_tensor_parallel, shard_config, shard_weights
 from inferd.distributed.shm_allreduce import ShmAllReduce
 from inferd.kv.kv_groups import KVLayout
-from inferd.quantization.formats import QuantizedWeight
 
 logger = logging.getLogger("inferd.distributed")
 
-_HOST = "127.0.0.1"
+LOCALHOST = "127.0.0.1"
 _SHM_MAX_BYTES = 16 << 20  # the largest all-reduce through shared memory; larger ones go to gloo
-_START_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 600.0  # for a worker rank to start, join and build
 
 
 def usable_cpus() -> list[int]:
@@ -48,9 +45,10 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def check_placement(tp: int, device: torch.device) -> None:
-    """ValueError where `tp` ranks cannot each get a core of this host's (CPU ranks)."""
-    if device.type == "cpu" and tp > len(usable_cpus()):
+def check_placement(tp: int, device: torch.device, backend: str = "mp") -> None:
+    """ValueError where `tp` ranks cannot each get a core of this host's (CPU ranks on `mp`;
+    on `ray` the cluster's CPUs count, checked when the ranks are placed)."""
+    if device.type == "cpu" and backend == "mp" and tp > len(usable_cpus()):
         raise ValueError(f"--tensor-parallel-size {tp} needs a core per rank; this process may "
                          f"use {len(usable_cpus())}")  # fmt: skip
     if device.type == "cuda" and tp > torch.cuda.device_count():
@@ -71,6 +69,7 @@ class RankSpec:
     dtype: torch.dtype
     device: str  # rank 0's; a CUDA rank r uses device index r
     threads: int
+    host: str  # rank 0's group store
     port: int
     shm_name: str | None
     shm_bytes: int
@@ -84,7 +83,7 @@ class RankSpec:
         return torch.device("cuda", rank) if d.type == "cuda" else d
 
     def group(self, rank: int) -> TPGroup:
-        return TPGroup(rank, self.world, _HOST, self.port, self.device_of(rank), self.shm_name,
+        return TPGroup(rank, self.world, self.host, self.port, self.device_of(rank), self.shm_name,
                        self.shm_bytes)  # fmt: skip
 
 
@@ -111,178 +110,107 @@ def build_runner(spec: RankSpec, model, group: TPGroup):
                        layout=spec.layout, tp=group if group.rank == 0 else None)  # fmt: skip
 
 
-def _exit_with_parent() -> None:
-    """A worker whose rank 0 died (killed, crashed) must not wait for it: exit with it."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="inferd-tp-parent-watch", daemon=True).start()
-
-
-def _worker_main(rank: int, spec: RankSpec, conn, weights_queue) -> None:
-    """A worker rank: join, build from the shard rank 0 sends, then run steps until `None`."""
-    _exit_with_parent()
-    torch.set_num_threads(spec.threads)
-    group = None
-    try:
-        conn.send(("started", None))
-        group = spec.group(rank)
-        weights = weights_queue.get()
-        model = build_rank_model(spec, weights, group)
-        runner = build_runner(spec, model, group)
-        del weights
-        conn.send(("ready", None))
-    except Exception as e:  # noqa: BLE001 (rank 0 raises it: a worker's stderr is easy to miss)
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        return
+def serve_steps(runner, group: TPGroup) -> None:
+    """A worker rank's loop: run each step rank 0 broadcasts, until it broadcasts `None`."""
     while (plan := group.broadcast_object()) is not None:
         runner.run(plan)
     group.close()
 
 
-def _start_worker(p, rank: int, threads: int) -> None:
-    """Start worker `rank`. An engine process whose OpenMP threads are bound from the first core
-    (`inferd serve`, engine_proc._bind_cpus) passes that binding on through the environment: the
-    worker gets its own cores' places instead, not rank 0's. An engine process is daemonic
-    (killed with its server), and multiprocessing refuses children of a daemon: the flag is
-    lifted for the start (the workers are daemons themselves, and leave when rank 0 does)."""
-    me = multiprocessing.current_process()
-    daemon, saved = me.daemon, os.environ.get("OMP_PLACES")
-    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if "OMP_PROC_BIND" in os.environ:
-        cpus = usable_cpus()[rank * threads : (rank + 1) * threads]
-        os.environ["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
-        os.sched_setaffinity(0, cpus)  # the child starts with this thread's mask: its cores
-    try:
-        me.daemon = False
-        p.start()
-    finally:
-        me.daemon = daemon
-        if mask is not None:
-            os.sched_setaffinity(0, mask)
-        if saved is None:
-            os.environ.pop("OMP_PLACES", None)
-        else:
-            os.environ["OMP_PLACES"] = saved
+def worker_error(rank: int, detail: str) -> Exception:
+    """The exception rank 0 raises for a worker's failure (`detail`: its type, message and
+    traceback): a ValueError where the worker's was one (a shard that does not fit)."""
+    first = detail.splitlines()[0] if detail else "failed"
+    logger.error("tensor-parallel rank %d failed:\n%s", rank, detail)
+    kind = ValueError if first.startswith(("ValueError", "KeyError")) else RuntimeError
+    return kind(f"tensor-parallel rank {rank}: {first}")
 
 
-def _shared_copy(weights: dict) -> dict:
-    """Every tensor of `weights` copied into shared memory, here and now. The queue's feeder
-    thread would otherwise move each tensor's storage into shared memory itself, later, while
-    this thread reads the same storage (a replicated weight, or a slice that views the loaded
-    one) to build rank 0's model."""
-
-    def shared(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.clone().share_memory_()
-
-    out = {}
-    for name, w in weights.items():
-        if isinstance(w, QuantizedWeight):
-            w = dataclasses.replace(
-                w, data=shared(w.data), scales=shared(w.scales), mins=shared(w.mins)
-            )
-        else:
-            w = shared(w)
-        out[name] = w
-    return out
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback now (for a group's store)."""
+def free_port(host: str = LOCALHOST) -> int:
+    """A TCP port free on `host` now (for a group's store)."""
     with socket.socket() as s:
-        s.bind((_HOST, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
+class Ranks(Protocol):
+    """How ranks 1..N-1 start and stop: spawned processes (mp_ranks) or Ray actors (ray_ranks).
+    The executor calls `start`, joins the group, `joined`, builds rank 0, `wait_ready`; `close`
+    once the workers have left their step loop (or to end a start that failed)."""
+
+    host: str  # where rank 0's group store listens (an address every rank reaches)
+    same_host: bool  # every rank on rank 0's host: the shared-memory all-reduce applies
+    threads: int  # torch threads of each rank
+
+    def describe(self) -> str: ...
+    def start(self, spec: RankSpec, shard: Callable[[int], dict]) -> None: ...
+    def joined(self) -> None: ...
+    def wait_ready(self) -> None: ...
+    def alive(self) -> bool: ...
+    def close(self, graceful: bool) -> None: ...
+
+
+def make_ranks(config: EngineConfig, device: torch.device) -> Ranks:
+    parallel = config.parallel
+    if parallel.distributed_executor_backend == "ray":
+        from inferd.distributed.ray_ranks import RayRanks
+
+        return RayRanks(parallel.tensor_parallel_size, device, parallel.ray_placement_strategy)
+    from inferd.distributed.mp_ranks import ProcessRanks
+
+    return ProcessRanks(parallel.tensor_parallel_size, device)
+
+
 class TensorParallelExecutor:
-    """Rank 0's side: the worker processes, the group, and rank 0's runner."""
+    """Rank 0's side: the worker ranks, the group, and rank 0's runner."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict,
                  num_blocks: int, block_size: int, layout: KVLayout, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(model_config, tp)
-        check_placement(tp, device)
+        check_placement(tp, device, config.parallel.distributed_executor_backend)
         from inferd.models import model_class
 
-        threads = (
-            max(1, len(usable_cpus()) // tp) if device.type == "cpu" else torch.get_num_threads()
-        )
         shm_bytes = min(
             _SHM_MAX_BYTES, config.scheduler.max_num_batched_tokens * model_config.hidden_size * 4
         )
-        self.spec = spec = RankSpec(
-            config, model_config, num_blocks, block_size, layout, max_positions, dtype, str(device),
-            threads, free_port(), ShmAllReduce.create_name() if device.type == "cpu" else None,
-            shm_bytes,
-        )  # fmt: skip
         cls = model_class(model_config.architecture)
         shard = lambda r: shard_weights(
             weights, model_config, cls, r, tp, config.quantization, config.quantization_group_size
         )
-        # Rank 0's first, before any process starts: a weight that cannot split fails here (every
+        # Rank 0's first, before any rank starts: a weight that cannot split fails here (every
         # rank's cut falls on the boundaries rank 0's end does).
         own = shard(0)
-        ctx = tmp.get_context("spawn")
-        self.workers, self.conns, queues = [], [], []
-        for rank in range(1, tp):
-            parent, child = ctx.Pipe()
-            q = ctx.Queue()
-            p = ctx.Process(target=_worker_main, args=(rank, spec, child, q), daemon=True,
-                            name=f"inferd-tp-rank{rank}")  # fmt: skip
-            _start_worker(p, rank, threads)
-            self.workers.append(p)
-            self.conns.append(parent)
-            queues.append(q)
-        self.group = None
+        self.group: TPGroup | None = None
         self._threads_before = torch.get_num_threads()  # given back at close (a library caller's)
+        self.ranks = ranks = make_ranks(config, device)
         try:
-            self._wait_for("started")
-            torch.set_num_threads(threads)
+            shm = ShmAllReduce.create_name() if device.type == "cpu" and ranks.same_host else None
+            self.spec = spec = RankSpec(
+                config, model_config, num_blocks, block_size, layout, max_positions, dtype,
+                str(device), ranks.threads, ranks.host, free_port(ranks.host), shm, shm_bytes,
+            )  # fmt: skip
+            ranks.start(spec, shard)
+            torch.set_num_threads(ranks.threads)
             self.group = spec.group(0)
             if self.group.shm is not None:
-                self.group.shm.peers_alive = lambda: all(p.is_alive() for p in self.workers)
-            sent = []
-            for rank, q in enumerate(queues, start=1):
-                sent.append(_shared_copy(shard(rank)))  # alive until the worker has built from it
-                q.put(sent[-1])
+                self.group.shm.peers_alive = ranks.alive
+            ranks.joined()
             model = build_rank_model(spec, own, self.group)
             del own
-            self._wait_for("ready")
-            del sent
+            ranks.wait_ready()
             self.runner = build_runner(spec, model, self.group)
         except BaseException:
             self.close(graceful=False)
             raise
-        logger.info("tensor parallel: %d ranks (%d spawned workers), %d threads each, all-reduce %s",
-                    tp, tp - 1, threads, "shared memory + gloo" if spec.shm_name else "nccl")  # fmt: skip
-
-    def _wait_for(self, what: str) -> None:
-        for rank, (p, conn) in enumerate(zip(self.workers, self.conns), start=1):
-            waited = 0.0
-            while not conn.poll(1.0):
-                waited += 1.0
-                if not p.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) "
-                                       f"before it was {what}")  # fmt: skip
-                if waited > _START_TIMEOUT_S:
-                    raise RuntimeError(
-                        f"tensor-parallel rank {rank} not {what} after {waited:.0f} s"
-                    )
-            kind, detail = conn.recv()
-            if kind == "error":
-                first = detail.splitlines()[0]
-                logger.error("tensor-parallel rank %d failed:\n%s", rank, detail)
-                raise (ValueError if first.startswith(("ValueError", "KeyError")) else RuntimeError)(
-                    f"tensor-parallel rank {rank}: {first}")  # fmt: skip
+        logger.info("tensor parallel: %d ranks (%s), %d threads each, all-reduce %s", tp,
+                    ranks.describe(), ranks.threads,
+                    "shared memory + gloo" if shm else "gloo" if device.type == "cpu" else "nccl")  # fmt: skip
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (idempotent): `graceful`, through the step loop they are in;
-        otherwise (start-up failed: they may be anywhere) by terminating them."""
+        otherwise (start-up failed: they may be anywhere) at once."""
         if self.group is not None:
             if graceful:
                 try:
@@ -291,10 +219,9 @@ class TensorParallelExecutor:
                     pass
             self.group.close()
             self.group = None
+        else:
+            graceful = False  # no group: the workers never reached their step loop
         torch.set_num_threads(self._threads_before)
-        for p in self.workers:
-            p.join(timeout=10 if graceful else 0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self.workers = []
+        if self.ranks is not None:
+            self.ranks.close(graceful)
+            self.ranks = None

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pickle
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-import inferd
-from inferd import envs
+from inferd.distributed.ray_ranks import import_ray, rank_bundles, runtime_env, wait_placed
 from inferd.engine.async_engine import ThreadBackend
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_loop import Command, Exited, Loaded, Message
@@ -41,19 +38,8 @@ from inferd.engine.engine_proc import decode_message, encode_message
 
 logger = logging.getLogger("inferd.async_engine")
 
-PLACEMENT_TIMEOUT_S = 120.0  # for a replica's placement group to be placed
 _PULL_WAIT_S = 1.0
 _STOP = None
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError(
-            "--distributed-executor-backend ray needs Ray: pip install 'inferd[ray]'"
-        ) from None
-    return ray
 
 
 class EngineActor:
@@ -97,15 +83,24 @@ class EngineActor:
 
 
 class RayBackend:
-    """An `EngineBackend` whose engine is an `EngineActor` in a placement group of its own."""
+    """An `EngineBackend` whose engine is an `EngineActor` in a placement group of its own: one
+    bundle of `threads` CPUs per tensor-parallel rank, the actor (rank 0) in bundle 0 and its
+    worker ranks' actors in the others (inferd/distributed/ray_ranks.py)."""
 
     core: EngineCore | None = None  # never in this process
 
     def __init__(
-        self, factory_blob: bytes, threads: int, stream_interval: int, runtime_env: dict[str, Any]
+        self,
+        factory_blob: bytes,
+        threads: int,
+        stream_interval: int,
+        runtime_env: dict[str, Any],
+        ranks: int = 1,
+        strategy: str = "STRICT_PACK",
     ) -> None:
         self._factory_blob = factory_blob
         self._threads = threads
+        self._ranks, self._strategy = ranks, strategy
         self._stream_interval = stream_interval
         self._runtime_env = runtime_env
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
@@ -118,7 +113,7 @@ class RayBackend:
     def fresh(self) -> RayBackend:
         """A backend like this one, not started: the supervisor's replacement engine."""
         return RayBackend(self._factory_blob, self._threads, self._stream_interval,
-                          self._runtime_env)  # fmt: skip
+                          self._runtime_env, self._ranks, self._strategy)  # fmt: skip
 
     @property
     def is_alive(self) -> bool:
@@ -148,12 +143,14 @@ class RayBackend:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         try:
-            self._group = placement_group([{"CPU": self._threads}], strategy="STRICT_PACK")
-            if not self._group.wait(PLACEMENT_TIMEOUT_S):
-                raise RuntimeError(
-                    f"the Ray cluster found no node with {self._threads} free CPU(s) for this "
-                    f"replica within {PLACEMENT_TIMEOUT_S:g} s (ray status shows its resources)"
-                )
+            self._group = placement_group(rank_bundles(self._ranks, self._threads),
+                                          strategy=self._strategy)  # fmt: skip
+            what = f"this replica's {self._ranks} bundle(s) of {self._threads} CPU(s)"
+            try:
+                wait_placed(ray, self._group, what)
+            except RuntimeError:
+                self._group = None  # removed
+                raise
             actor_class = ray.remote(EngineActor)
             self._actor = actor_class.options(
                 num_cpus=self._threads,
@@ -211,38 +208,34 @@ class RayBackend:
         self._alive = False
 
 
-def _runtime_env() -> dict[str, Any]:
-    """The actors' environment: the front end's INFERD_* settings, and its inferd first on the
-    path (where that path exists on the actor's node; elsewhere the node's own install)."""
-    env = envs.settings()
-    root = str(Path(inferd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return {"env_vars": env}
-
-
 def ray_backends(
     size: int,
     engine_factory: Callable[[], EngineCore],
     threads: int | None,
     address: str | None,
     stream_interval: int,
+    ranks: int = 1,
+    strategy: str = "STRICT_PACK",
 ) -> tuple[list[Callable[[], RayBackend]], list[str]]:
-    """Connect to the Ray cluster at `address` and make one backend maker per replica (each
-    actor holds `threads` CPUs; default: the cluster's CPUs shared out). ValueError when Ray is
-    missing or the cluster has too few CPUs."""
+    """Connect to the Ray cluster at `address` and make one backend maker per replica, each a
+    placement group of `ranks` (tensor-parallel) bundles of `threads` CPUs (default: the
+    cluster's CPUs shared out). ValueError when Ray is missing or the cluster has too few CPUs."""
     ray = import_ray()
     try:
         ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
     except ConnectionError as e:
         raise ValueError(f"cannot reach the Ray cluster at {address}: {e}") from None
     cpus = int(ray.cluster_resources().get("CPU", 0))
-    threads = threads or max(1, cpus // size)
-    if size * threads > cpus:
+    threads = threads or max(1, cpus // (size * ranks))
+    if size * ranks * threads > cpus:
+        per = f" × {ranks} ranks" if ranks > 1 else ""
         raise ValueError(
-            f"--data-parallel-size {size} with {threads} CPU(s) each needs {size * threads} "
-            f"CPUs; the Ray cluster has {cpus}"
+            f"--data-parallel-size {size}{per} with {threads} CPU(s) each needs "
+            f"{size * ranks * threads} CPUs; the Ray cluster has {cpus}"
         )
     backend = RayBackend(cloudpickle.dumps(engine_factory), threads, stream_interval,
-                         _runtime_env())  # fmt: skip
+                         runtime_env(), ranks, strategy)  # fmt: skip
     placement = f"a Ray actor with {threads} CPU{'s' if threads > 1 else ''}"
+    if ranks > 1:
+        placement += f" and {ranks - 1} tensor-parallel rank actor{'s' if ranks > 2 else ''}"
     return [backend.fresh] * size, [placement] * size

@@ -111,7 +111,7 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         if tp > 1:  # before anything is built: heads or vocabulary that do not split
             check_tensor_parallel(mcfg, tp)
-            check_placement(tp, self.device)
+            check_placement(tp, self.device, config.parallel.distributed_executor_backend)
             if config.speculative is not None and config.speculative.method in ("eagle", "medusa"):
                 raise ValueError("--tensor-parallel-size > 1 with a learned draft head is not supported "
                                  "(the head reads the target's whole LM head)")  # fmt: skip

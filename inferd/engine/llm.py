@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from inferd.config import EngineConfig
 from inferd.engine.core import EngineCore, RequestError
+from inferd.engine.llm_replicas import ReplicaPool
 from inferd.engine.outputs import RequestOutput
 from inferd.engine.stats import EngineStats
 from inferd.engine_args import build_engine_config
@@ -48,6 +49,11 @@ class LLM:
     same defaults but one: stats log lines are off (`log_stats_interval=0`) unless asked for.
     An unknown keyword raises TypeError. `chat_template` is a Jinja template (text), `verbose`
     prints the engine's start-up lines, `loaded` is an already loaded model to serve.
+
+    `data_parallel_size=N` (N > 1) runs N engine replicas in processes of their own, each on its
+    share of the cores (inferd/engine/llm_replicas.py): each prompt goes to one replica, chosen by
+    the cache-aware routing policy, and the outputs come back in prompt order. `engine` is then
+    None; `close()` (or dropping the LLM) stops the replicas.
     """
 
     def __init__(
@@ -57,13 +63,24 @@ class LLM:
         chat_template: str | None = None,
         verbose: bool = True,
         loaded: Any = None,
+        data_parallel_size: int = 1,
         **engine_args: Any,
     ) -> None:
-        self.engine = EngineCore(self.engine_config(model, **engine_args), loaded=loaded,
-                                 verbose=verbose)  # fmt: skip
-        if chat_template is not None:
-            self.engine.tokenizer.set_chat_template(chat_template)
+        config = self.engine_config(model, **engine_args)
         self._ids = itertools.count()
+        self.engine: EngineCore | None = None
+        self.replicas: ReplicaPool | None = None
+        if data_parallel_size != 1:
+            if loaded is not None:
+                raise ValueError("LLM(data_parallel_size > 1) loads the model in each replica: "
+                                 "give a model path, not `loaded`")  # fmt: skip
+            self.replicas = ReplicaPool(config, data_parallel_size, verbose=verbose)
+            self._tokenizer = self.replicas.tokenizer
+        else:
+            self.engine = EngineCore(config, loaded=loaded, verbose=verbose)
+            self._tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            self._tokenizer.set_chat_template(chat_template)
 
     @staticmethod
     def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -75,7 +92,7 @@ class LLM:
             raise TypeError(f"LLM(): {e}") from None
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self._tokenizer
 
     def generate(
         self,
@@ -105,41 +122,14 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompt_list):
                 raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
-        token_ids: list[list[int]] = []
-        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
-            try:
-                token_ids.append(self.engine.validate(p, sp))
-                if sp.structured is not None:  # compile (cached) under the time limit, up front
-                    self.engine.prepare_structured(sp)
-            except RequestError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
         ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
-        for i, (rid, p, toks, sp, prio) in enumerate(zip(ids, prompt_list, token_ids, params_list, priorities)):
-            try:
-                self.engine.add_request(rid, p, sp, priority=prio, prompt_token_ids=toks, lora_request=loras[i])
-            except RequestError as e:  # an adapter that does not load: nothing of this call runs
-                for added in ids[:i]:
-                    self.engine.abort_request(added)
-                raise ValueError(f"prompt {i}: {e}") from e
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
-        try:
-            while self.engine.has_unfinished_requests():
-                for delta in self.engine.step():
-                    state = self.engine.requests.get(delta.request_id)
-                    if delta.finished and state is not None and state.finished:
-                        done[delta.request_id] = self.engine.pop_finished(delta.request_id)
-                        bar.update(1)
-        except BaseException:
-            for rid in ids:  # KeyboardInterrupt or an error: leave no request holding blocks
-                self.engine.abort_request(rid)
-            raise
-        finally:
-            bar.close()
-        return [done[rid] for rid in ids]
+        if self.replicas is not None:
+            if any(lr is not None for lr in loras):
+                raise ValueError("lora_request with data_parallel_size > 1 is not supported")
+            return self.replicas.generate(ids, prompt_list, params_list, priorities, use_tqdm)
+        token_ids = validate_prompts(self.engine, prompt_list, params_list)
+        return run_prompts(self.engine, ids, prompt_list, token_ids, params_list, priorities,
+                           use_tqdm, loras)  # fmt: skip
 
     def chat(
         self,
@@ -152,7 +142,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self._tokenizer
         if chat_template is not None:
             tok = _with_template(tok, chat_template)
         prompts: list[PromptType] = []
@@ -163,12 +153,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
-        """Flush the prefix cache; True when it is empty afterwards."""
+        """Flush the prefix cache (every replica's); True when it is empty afterwards."""
+        if self.replicas is not None:
+            return self.replicas.reset_prefix_cache()
         return self.engine.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel workers, if any (also done when it is collected)."""
-        self.engine.close()
+        """Stop the engine's tensor-parallel workers or the replicas, if any (also done when the
+        LLM is collected, and at exit)."""
+        if self.replicas is not None:
+            self.replicas.close()
+        else:
+            self.engine.close()
 
     def __enter__(self) -> Self:
         return self
@@ -177,8 +173,66 @@ class LLM:
         self.close()
 
     def get_stats(self) -> EngineStats:
-        """Running / waiting / preempted counts, KV usage, token totals and throughputs."""
+        """Running / waiting / preempted counts, KV usage, token totals and throughputs (with
+        replicas: their sums, the KV usage over all their blocks)."""
+        if self.replicas is not None:
+            return self.replicas.get_stats()
         return self.engine.get_stats()
+
+
+def validate_prompts(
+    engine: EngineCore, prompts: list[str | list[int]], params: list[SamplingParams]
+) -> list[list[int]]:
+    """Each prompt's token ids; ValueError naming the first invalid prompt. Structured-output
+    grammars compile here (cached), under their time limit, before anything runs."""
+    token_ids: list[list[int]] = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            token_ids.append(engine.validate(p, sp))
+            if sp.structured is not None:
+                engine.prepare_structured(sp)
+        except RequestError as e:
+            raise ValueError(f"prompt {i}: {e}") from e
+    return token_ids
+
+
+def run_prompts(
+    engine: EngineCore,
+    ids: list[str],
+    prompts: list[str | list[int]],
+    token_ids: list[list[int]],
+    params: list[SamplingParams],
+    priorities: list[int],
+    use_tqdm: bool,
+    loras: list[LoRARequest | None] | None = None,
+) -> list[RequestOutput]:
+    """Add the (validated) requests and step until each has finished: their outputs in order.
+    `loras`: each prompt's LoRA adapter (None: the base model); an adapter that does not load
+    raises ValueError before anything of this call runs."""
+    loras = loras or [None] * len(ids)
+    for i, (rid, p, toks, sp, prio) in enumerate(zip(ids, prompts, token_ids, params, priorities)):
+        try:
+            engine.add_request(rid, p, sp, priority=prio, prompt_token_ids=toks, lora_request=loras[i])
+        except RequestError as e:
+            for added in ids[:i]:
+                engine.abort_request(added)
+            raise ValueError(f"prompt {i}: {e}") from e
+    done: dict[str, RequestOutput] = {}
+    bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+    try:
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                state = engine.requests.get(delta.request_id)
+                if delta.finished and state is not None and state.finished:
+                    done[delta.request_id] = engine.pop_finished(delta.request_id)
+                    bar.update(1)
+    except BaseException:
+        for rid in ids:  # KeyboardInterrupt or an error: leave no request holding blocks
+            engine.abort_request(rid)
+        raise
+    finally:
+        bar.close()
+    return [done[rid] for rid in ids]
 
 
 def _with_template(tok: Tokenizer, template: str) -> Tokenizer:

@@ -165,6 +165,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         configs = {m.name: engine_config_from_args(argparse.Namespace(**{**vars(args),
                                                                          "model": m.path}))
                    for m in pool_config.models}  # fmt: skip
+    lora = configs[names[0]].lora
+    if lora.enable_lora and pool_config is not None:
+        raise ValueError("--enable-lora serves the adapters of one base model; "
+                         "with several models it is not supported")
     supervision = supervision_config(args)
     data_parallel = data_parallel_config(args)
     template = None
@@ -204,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_process=args.engine_process,
             stream_interval=args.stream_interval,
             max_stream_buffer_tokens=supervision.max_stream_buffer_tokens or None,
+            parallel=configs[name].parallel,
         )
 
     # The front end admits by --max-queue-len (limits.py): the engines keep no queue limit.
@@ -238,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_control_tokens_in_content=args.allow_control_tokens_in_content,
         supervision=supervision,
         enable_debug_endpoints=args.enable_debug_endpoints,
-        lora_modules=config.lora.modules if config.lora.enable_lora else None,
+        lora_modules=lora.modules if lora.enable_lora else None,
     )
     logger.info("starting the server on %s%s", url, "" if pool_config else "; loading the model")
     uvicorn.run(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from inferd.config import DISTRIBUTED_EXECUTOR_BACKENDS
+from inferd.config import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig
+from inferd.distributed.cpus import cpu_list, split_cpus
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_proc import ProcessBackend
@@ -73,24 +74,6 @@ def data_parallel_config(args: argparse.Namespace) -> DataParallelConfig:
     )
 
 
-def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
-    """Replica i's cores: [i*C/N, (i+1)*C/N) of the C cores in `cpus` (sorted)."""
-    cpus = sorted(cpus)
-    if n > len(cpus):
-        raise ValueError(
-            f"--data-parallel-size {n} needs a core per replica; this process may use "
-            f"{len(cpus)} ({_cpu_list(cpus)})"
-        )
-    c = len(cpus)
-    return [cpus[i * c // n : (i + 1) * c // n] for i in range(n)]
-
-
-def _cpu_list(cpus: Sequence[int]) -> str:
-    if len(cpus) > 1 and list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
-        return f"cores {cpus[0]}-{cpus[-1]}"
-    return f"core{'s' if len(cpus) > 1 else ''} {', '.join(map(str, cpus))}"
-
-
 def build_replicas(
     config: DataParallelConfig,
     engine_factory: Callable[[], EngineCore],
@@ -100,15 +83,19 @@ def build_replicas(
     engine_process: bool = True,
     stream_interval: int = 1,
     max_stream_buffer_tokens: int | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> ReplicaSet:
-    """The replicas `config` asks for, not started yet. ValueError for what cannot run here
+    """The replicas `config` asks for, not started yet (on Ray, each replica's placement group
+    has a bundle per tensor-parallel rank of `parallel`). ValueError for what cannot run here
     (more replicas than cores, a thread count over a replica's share, Ray missing)."""
     if config.backend == "ray":
         from inferd.distributed.ray_backend import ray_backends
 
+        parallel = parallel or ParallelConfig()
         makers, placements = ray_backends(
-            config.size, engine_factory, config.threads, config.ray_address, stream_interval
-        )
+            config.size, engine_factory, config.threads, config.ray_address, stream_interval,
+            parallel.tensor_parallel_size, parallel.ray_placement_strategy,
+        )  # fmt: skip
     elif config.size == 1 and config.threads is None:
         engine = AsyncEngine(
             engine_factory,
@@ -154,5 +141,5 @@ def _process_backends(
         threads = config.threads or len(cpus)
         process = ProcessBackend(engine_factory, False, stream_interval, cpus, threads)
         makers.append(process.fresh)
-        placements.append(f"{_cpu_list(cpus)}, {threads} thread{'s' if threads > 1 else ''}")
+        placements.append(f"{cpu_list(cpus)}, {threads} thread{'s' if threads > 1 else ''}")
     return makers, placements
