@@ -140,6 +140,7 @@ def test_sampling_keeps_the_distribution(tiny_llama_gguf):
     ('{"method": "lookahead", "lookahead_guesses": true}', "lookahead_guesses must be"),
     ('{"method": "lookahead", "lookahead_window": 12, "lookahead_ngram": 8}', "must be <= 16"),
     ('{"method": "lookahead", "num_speculative_tokens": 2, "lookahead_ngram": 5}', "lookahead_ngram - 1"),
+    ('{"method": "lookahead", "num_speculative_tokens": 1}', "lookahead_ngram - 1"),
     ('{"method": "lookahead", "num_speculative_tokens": 17}', "num_speculative_tokens"),
     ('{"method": "lookahead", "model": "x.gguf"}', "takes no \"model\""),
     ('{"method": "ngram", "lookahead_window": 4}', "only for method \"lookahead\""),
@@ -153,8 +154,8 @@ def test_bad_config_is_refused_by_name(value, message):
 def test_defaults():
     spec = SpeculativeConfig.parse('{"method": "lookahead"}')
     w, n, g = spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_guesses
-    assert (w, n, g, spec.num_speculative_tokens) == (4, 4, 4, 7)
+    assert (w, n, g, spec.num_speculative_tokens) == (3, 3, 4, 5)
     spec = SpeculativeConfig.parse('{"method": "lookahead", "num_speculative_tokens": 10}')
-    assert (spec.lookahead_window, spec.num_speculative_tokens) == (7, 10)
+    assert (spec.lookahead_window, spec.num_speculative_tokens) == (8, 10)
     spec = SpeculativeConfig.parse('{"method": "lookahead", "lookahead_window": 2, "lookahead_ngram": 3}')
     assert spec.num_speculative_tokens == 4

@@ -258,7 +258,7 @@ def add_spec_parser(sub) -> None:
                    help="suffix decoding's depths (k) to compare")
     p.add_argument("--lookahead", action="store_true",
                    help="add lookahead decoding (drafts from the target's own Jacobi iterations)")
-    p.add_argument("--lookahead-k", type=int, nargs="+", default=[7],
+    p.add_argument("--lookahead-k", type=int, nargs="+", default=[5],
                    help="lookahead decoding's depths (k: a candidate n-gram and the window's guesses)")
     p.add_argument("--no-ngram", action="store_true",
                    help="leave prompt lookup out (e.g. a chat-only run of the models' proposers)")
