@@ -84,3 +84,19 @@ def test_bench_spec_lookahead(long_context_tiny, capsys) -> None:
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["config"] for r in report["rows"]] == ["off", "lookahead k=4"]
     assert report["identical_greedy_outputs"]
+
+
+def test_bench_spec_runs_medusa_heads(long_context_tiny, tmp_path, capsys) -> None:
+    from inferd import LLM
+    from inferd.spec.medusa_head import MedusaHead
+
+    model = str(long_context_tiny.path)
+    target = LLM(model, verbose=False, kv_cache_memory=4 << 20).engine.runner.model
+    MedusaHead.for_target(target, 2).save(tmp_path / "heads")  # untrained: the target's own guess
+    argv = ["bench", "spec", "--model", model, "--k", "2", "--max-tokens", "8", "--runs", "1",
+            "--tasks", "chat", "--no-ngram", "--medusa", str(tmp_path / "heads"),
+            "--kv-cache-memory", str(4 << 20)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical_greedy_outputs"]
+    assert [r["config"] for r in report["rows"]] == ["off", "medusa k=2"]

@@ -363,7 +363,7 @@ def test_calibration_measures_every_depth(tiny_llama_gguf):
     ('{"method": "ngram"', "not valid JSON"),
     ('[1]', "JSON object"),
     ('{"num_speculative_tokens": 3}', "needs \"method\""),
-    ('{"method": "medusa"}', "method must be one of"),
+    ('{"method": "hydra"}', "method must be one of"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "draft_model"}', "needs \"model\""),
     ('{"method": "ngram", "k": 3}', "unknown keys"),

@@ -74,7 +74,9 @@ class MedusaProposer(Proposer):
         for i, (seq, k, w, _) in enumerate(ready):
             chain = [tokens[i][d][0] for d in range(k)]
             if ranked and seq.params.greedy:
-                nodes = ranked_nodes([tuple(probs[i][d][: 1 + _RANKED_ALTERNATIVES]) for d in range(k)])
+                nodes = ranked_nodes(
+                    [tuple(probs[i][d][: 1 + _RANKED_ALTERNATIVES]) for d in range(k)]
+                )
                 values = [v for v, *_ in nodes[:k]]
                 budget = k if rows is None else rows(values)
                 n, picked = chosen_nodes(nodes, budget)
@@ -83,7 +85,9 @@ class MedusaProposer(Proposer):
                 continue
             # The static tree: each head's next w tokens, leaves at its depth (greedy only: the
             # policy gives sampled sequences no width).
-            leaves = [(d + 1, tok) for d in range(k) for tok in tokens[i][d][1 : 1 + w]] if w else None
+            leaves = (
+                [(d + 1, tok) for d in range(k) for tok in tokens[i][d][1 : 1 + w]] if w else None
+            )
             seq.spec.set(chain, leaves=leaves)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

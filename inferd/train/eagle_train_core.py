@@ -329,7 +329,7 @@ def measure_acceptance(
     head's way (as `chain_drafts`), instead of `head`'s chains."""
     kmax = max(ks)
     if drafts_fn is None:
-        drafts_fn = lambda tokens, hidden, k: chain_drafts(head, tokens, hidden, k)  # noqa: E731
+        drafts_fn = lambda tokens, hidden, k: chain_drafts(head, tokens, hidden, k)
     result: dict[str, float] = {}
     emitted: dict[int, list[int]] = {k: [] for k in ks}
     per_pos: list[torch.Tensor] = []

@@ -130,7 +130,9 @@ def train_heads(head: MedusaHead, hidden: torch.Tensor, labels: torch.Tensor, lm
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in optim.param_groups:
             group["lr"] = opts.lr * scale
-        with torch.autocast(hidden.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with torch.autocast(
+            hidden.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None
+        ):
             logits = head(hidden[idx].float()) @ lm_rows.T  # [B, K, V']
         lab = targets[idx]
         ces = [F.cross_entropy(logits[:, d].float(), lab[:, d], ignore_index=-1)
@@ -212,7 +214,9 @@ def train_medusa(recipe: MedusaRecipe) -> dict[str, Any]:
     engine_head = MedusaHead.load(out, served, quantize=True)  # as the engine drafts
     ks = tuple(sorted({min(3, head.num_heads), head.num_heads}))
     starts = [n - 1 for n in data.eval_prompt_lens]
-    acceptance = measure_acceptance(None, data.eval, starts, ks, drafts_fn=medusa_drafts(engine_head))
+    acceptance = measure_acceptance(
+        None, data.eval, starts, ks, drafts_fn=medusa_drafts(engine_head)
+    )
     times["eval_s"] = time.perf_counter() - t0
     times["total_s"] = time.perf_counter() - t_all
     times["cpu_s"] = time.process_time() - cpu0  # all threads: wall time mostly measures the load
@@ -240,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     r, t = MedusaRecipe(), MedusaOptions()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
-    p.add_argument("--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/medusa/<model>)")
+    p.add_argument(
+        "--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/medusa/<model>)"
+    )
     p.add_argument("--quantization", default=r.quantization)
     p.add_argument("--num-prompts", type=int, default=r.num_prompts, help="template instructions")
     p.add_argument("--num-questions", type=int, default=r.num_questions,
@@ -257,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default=t.precision, choices=PRECISIONS)
     p.add_argument("--seed", type=int, default=t.seed, help="the training's seed")
     p.add_argument("--data-seed", type=int, default=r.data_seed, help="the generated data's seed")
-    p.add_argument("--no-data-cache", action="store_true", help="generate the data afresh and do not keep it")
+    p.add_argument(
+        "--no-data-cache", action="store_true", help="generate the data afresh and do not keep it"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     if a.threads:
