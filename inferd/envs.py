@@ -4,7 +4,8 @@ Code reads a variable as an attribute (`envs.INFERD_CACHE_DIR`); each access rea
 afresh, so a variable set after import (by a launcher, a test) is seen by code reaching it later.
 A few are read once by their consumer and then hold for the process: INFERD_MALLOPT when inferd
 is imported, INFERD_INT8_ACTIVATIONS when inferd.quantization.formats is imported,
-INFERD_ONEDNN_LINEAR at its first use, INFERD_STREAM_PREFETCH when the CPU kernels load.
+INFERD_ONEDNN_LINEAR at its first use, INFERD_STREAM_PREFETCH when the CPU kernels load,
+INFERD_FUSED_DECODE when inferd.models.decoder is imported.
 
 These are process-wide by nature: where files go, the allocator, and switches of the compiled
 kernels and their process-global state, which every engine in the process shares. Per-engine
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the attributes `__getattr__` serves, for type checkers
     INFERD_KERNEL_CACHE_DIR: str
     INFERD_INSTALLED_KERNELS: bool
     INFERD_MALLOPT: bool
+    INFERD_FUSED_DECODE: bool
     INFERD_WEIGHT_ARENA: bool
     INFERD_ONEDNN_LINEAR: bool
     INFERD_STREAM_PREFETCH: str | None
@@ -144,6 +146,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "how the CPU kernels prefetch the weights a step streams (csrc/stream_prefetch.h); "
             "a hint only: every choice gives the same bits",
             _stream_prefetch,
+        ),
+        EnvVar(
+            "INFERD_FUSED_DECODE", "switch", "1",
+            "0 runs decode steps through the per-layer Python path instead of the fused C++ step "
+            "(csrc/decoder_layers.h; the same bits), to compare the two: tensor-parallel worker "
+            "ranks inherit it",
+            _switch,
         ),
         EnvVar(
             "INFERD_INT8_ACTIVATIONS", "switch or unset", "unset: on where the CPU kernels have "

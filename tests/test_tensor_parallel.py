@@ -3,7 +3,8 @@ one thread each): greedy tokens equal one engine's and transformers' on tiny ran
 whose heads split (4 query / 2 KV heads, 8 / 8, a mixture of experts), in fp32 and with packed
 Q8_0 / Q4_0 blocks, in 16-token steps (prefill chunks beside decodes) and again on prefix-cache
 hits; Gemma 3 270M (4 query / 1 KV head: the KV head replicated) where it is installed; the
-shared-memory all-reduce gives gloo's bits; what cannot split fails with a ValueError naming it."""
+shared-memory all-reduce gives gloo's bits; decode steps run the fused C++ step with the all-reduces
+inside it, with the per-layer path's bits; what cannot split fails with a ValueError naming it."""
 
 from __future__ import annotations
 
@@ -91,6 +92,34 @@ def test_tp2_matches_one_engine(root, case):
     assert _generate(path, 2, quantization=quantization) == one
     if vs_hf:
         assert one == _hf_tokens(path, 400)
+
+
+@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+def test_tp2_decodes_on_the_fused_step_with_the_python_paths_bits(root, monkeypatch, quant):
+    """A rank's decode steps run the fused C++ step, which calls the group's all-reduce after each
+    layer's o and down projections: the same tokens as the per-layer Python path on every rank
+    (INFERD_FUSED_DECODE=0, which the spawned rank inherits)."""
+    from inferd.kernels.quant_gemm import extension
+    from inferd.models import decoder
+
+    if extension() is None:
+        pytest.skip("the C++ kernels are not built here")
+    path = write_gguf(root / f"fused-{quant}.gguf", HEADS_8X8, quant=quant).path
+    calls = []
+    real = decoder.DecoderForCausalLM._decode_layers
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[1].shape[0])  # rows of the step
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    fused = _generate(path, 2, quantization="auto")
+    assert calls, "rank 0 never ran the fused step"
+    calls.clear()
+    monkeypatch.setattr(decoder, "FUSED_DECODE", False)
+    monkeypatch.setenv("INFERD_FUSED_DECODE", "0")
+    assert _generate(path, 2, quantization="auto") == fused
+    assert not calls
 
 
 def test_tp2_mixture_of_experts(root):

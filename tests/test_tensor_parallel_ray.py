@@ -15,24 +15,14 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import torch
 from tiny_models import TinySpec, write_gguf, write_hf_dir
 
 from inferd import LLM, SamplingParams
 from tests.test_server_utils import RemoteServer, metric, wait_until
-from tests.test_tensor_parallel import HEADS_8X8, _generate
+from tests.test_tensor_parallel import HEADS_8X8, _generate, one_thread  # noqa: F401 (autouse)
 
 ray = pytest.importorskip("ray")
 from ray.util.placement_group import placement_group_table  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread, as each rank of two gets on two cores (restored after the module)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

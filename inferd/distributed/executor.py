@@ -110,6 +110,14 @@ def build_runner(spec: RankSpec, model, group: TPGroup):
                        layout=spec.layout, tp=group if group.rank == 0 else None)  # fmt: skip
 
 
+def build_worker(spec: RankSpec, rank: int, take_weights: Callable[[], dict]):
+    """Worker rank `rank`: join the group (it waits for every rank), then build the model from
+    its shard (`take_weights()`, called once joined) and its runner. Returns (group, runner)."""
+    group = spec.group(rank)
+    model = build_rank_model(spec, take_weights(), group)
+    return group, build_runner(spec, model, group)
+
+
 def serve_steps(runner, group: TPGroup) -> None:
     """A worker rank's loop: run each step rank 0 broadcasts, until it broadcasts `None`."""
     while (plan := group.broadcast_object()) is not None:

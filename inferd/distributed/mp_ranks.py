@@ -8,7 +8,6 @@ broadcasts until it broadcasts `None`. A worker whose rank 0 dies exits with it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import multiprocessing
 import os
 import threading
@@ -19,19 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as tmp
 
-from inferd.distributed.executor import (
-    LOCALHOST,
-    START_TIMEOUT_S,
-    RankSpec,
-    build_rank_model,
-    build_runner,
-    serve_steps,
-    usable_cpus,
-    worker_error,
-)
+from inferd.distributed.executor import LOCALHOST, START_TIMEOUT_S, RankSpec, build_worker
+from inferd.distributed.executor import serve_steps, usable_cpus, worker_error
 from inferd.quantization.formats import QuantizedWeight
-
-logger = logging.getLogger("inferd.distributed")
 
 
 def exit_with_parent() -> None:
@@ -52,11 +41,7 @@ def _worker_main(rank: int, spec: RankSpec, conn, weights_queue) -> None:
     torch.set_num_threads(spec.threads)
     try:
         conn.send(("started", None))
-        group = spec.group(rank)
-        weights = weights_queue.get()
-        model = build_rank_model(spec, weights, group)
-        runner = build_runner(spec, model, group)
-        del weights
+        group, runner = build_worker(spec, rank, weights_queue.get)
         conn.send(("ready", None))
     except Exception as e:  # noqa: BLE001 (rank 0 raises it: a worker's stderr is easy to miss)
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -41,11 +41,10 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: nn.Module, group: TPGroup) -> None:
     """Turn a model built from rank `group.rank`'s shard into that rank's part of the whole:
-    the embedding and head over the vocabulary, each layer's outputs summed across ranks, and the
-    fused decode step off (it runs a whole layer in C++, with no point to all-reduce at)."""
+    the embedding and head over the vocabulary, and each layer's outputs summed across ranks (in
+    the Python layers, and in the fused C++ decode step, which calls the same all-reduce)."""
     rows = model.config.vocab_size  # the shard's
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group.rank * rows, rows, group)
     model.lm_head = VocabParallelHead(model.lm_head, group)
     for layer in model.layers:
         layer.reduce = group.all_reduce
-    model.fused_decode = False

@@ -30,15 +30,8 @@ import torch
 
 import inferd
 from inferd import envs
-from inferd.distributed.executor import (
-    START_TIMEOUT_S,
-    RankSpec,
-    build_rank_model,
-    build_runner,
-    serve_steps,
-    usable_cpus,
-    worker_error,
-)
+from inferd.distributed.executor import START_TIMEOUT_S, RankSpec, build_worker, serve_steps
+from inferd.distributed.executor import usable_cpus, worker_error
 
 PLACEMENT_TIMEOUT_S = 120.0  # for a placement group to be placed
 _CLOSE_TIMEOUT_S = 10.0
@@ -99,9 +92,7 @@ class RankActor:
         """Join the group and build from `weights` (this rank's shard); the error as text (its
         type first, then the traceback) for rank 0 to raise, None when ready."""
         try:
-            self.group = self.spec.group(self.rank)
-            model = build_rank_model(self.spec, weights, self.group)
-            self.runner = build_runner(self.spec, model, self.group)
+            self.group, self.runner = build_worker(self.spec, self.rank, lambda: weights)
             return None
         except Exception as e:  # noqa: BLE001 (rank 0 raises it: an actor's log is easy to miss)
             return f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

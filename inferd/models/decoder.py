@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from inferd import envs
 from inferd.config import ModelConfig
 from inferd.kernels.quant_gemm import extension as cpu_kernels
 from inferd.kv.kv_cache import QuantizedKV
@@ -47,8 +48,9 @@ from inferd.quantization import formats, gguf_blocks
 from inferd.quantization.formats import QuantizedWeight
 from inferd.quantization.policy import linear_weight
 
-# Off: every step runs the Python layer loop (the tests compare the two paths).
-FUSED_DECODE = True
+# Off: every step runs the Python layer loop (the tests compare the two paths; INFERD_FUSED_DECODE=0
+# turns it off in every process of an engine, its tensor-parallel ranks included).
+FUSED_DECODE = envs.INFERD_FUSED_DECODE
 _LINEAR_KINDS = {"int8": 1, "int4": 2, "fp8": 3}  # decoder::LinearWeights::Kind; 0 is fp32
 _TILES_KIND = 4  # int8 / int4 packed at load (formats.pack_tiles)
 
@@ -214,7 +216,7 @@ class DecoderForCausalLM(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
         self._embed_scale: float | None = spec.embed_scale
-        # Off on tensor-parallel ranks: the C++ step runs whole layers, with no all-reduce inside.
+        # Whether this model's decode steps may run the fused C++ step (and FUSED_DECODE).
         self.fused_decode = True
         # With --enable-lora: the adapters' slots; a step with adapted rows runs the Python layer
         # loop (the fused C++ step has no LoRA delta).
@@ -366,6 +368,7 @@ class DecoderForCausalLM(nn.Module):
             [m.kernel_group.block_tables for m in groups], meta.layer_groups(len(layers)), shape, quant,
             meta.mirror_rows, [m.mirror_slots for m in groups] if meta.mirror_rows is not None else [],
             list(self.capture_layers) if captured is not None else [], captured,
+            self.layers[0].reduce,
         )  # fmt: skip
 
     def weights_repacked(self) -> None:

@@ -2,6 +2,7 @@
 // attention for short queries (paged_attention.h), prefill chunks' attention (prefill_attention.h) and the decode step's decoder layers
 // (decoder_layers.h), which call the other two directly. One build for all three: the layers'
 // bits must equal what the Python path gets from the same kernels, so both use one compiled copy.
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 
 #include "decoder_layers.h"
@@ -169,7 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<QuantizedCaches>(m, "QuantizedCaches", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double>(),
            py::arg("k_scales"), py::arg("v_scales"), py::arg("code"), py::arg("qmax"));
-  // The GIL is released for the whole step: a server's event loop streams meanwhile.
+  // The GIL is released for the whole step: a server's event loop streams meanwhile (a
+  // tensor-parallel rank's `reduce` takes it back for its call: pybind11's std::function wrapper).
   m.def("decode_layers", &decoder::decode_layers, "every decoder layer of a kernel-group step",
         py::call_guard<py::gil_scoped_release>());
 

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "decoder_linear.h"
+#include <functional>
+
 #include "layer_ops.h"
 #include "moe_layer.h"
 #include "paged_attention.h"
@@ -108,7 +110,10 @@ inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scal
 // x [T, hidden] through every layer; the attention metadata is the step's kernel group, cos / sin
 // the step's rows of each RoPE table. With `capture` (ascending layer indices), each of those
 // layers' output rows is copied into captured[j] ([len(capture), T, hidden]): a draft head's
-// extra features (EAGLE-3).
+// extra features (EAGLE-3). With `reduce` (tensor-parallel ranks, inferd/distributed), each
+// layer's attention output (after o) and MLP output (after down, or the mixture's sum) are this
+// rank's partial sums: reduce adds them across the ranks, in place, before anything reads them,
+// where the Python layer does (DecoderLayer.reduce).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<LayerSpec>& specs,
                             const std::vector<torch::Tensor>& k_caches,
@@ -122,7 +127,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const std::optional<torch::Tensor>& mirror_rows,
                             const std::vector<torch::Tensor>& mirror_slots,
                             const std::vector<int64_t>& capture,
-                            const std::optional<torch::Tensor>& captured) {
+                            const std::optional<torch::Tensor>& captured,
+                            const std::optional<std::function<torch::Tensor(torch::Tensor)>>& reduce) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size() && layers.size() == specs.size(),
               "decode_layers: one spec, one K and one V cache per layer");
   TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decode_layers: one sin table per cos table");
@@ -209,6 +215,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                                         tables, o, spec.scale, spec.window, spec.softcap);
     }
     torch::Tensor attn = linear(l.o, o.reshape({t, q_size}), s);
+    if (reduce) attn = (*reduce)(attn);
     if (l.post_attn_norm.defined()) attn = layer_ops::rms_norm(attn, l.post_attn_norm, s.eps);
     std::tie(x, h) = layer_ops::add_rms_norm(x, attn, l.post_norm, s.eps);
     // MLP.forward, or SparseMoE.forward
@@ -219,6 +226,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
       pending = linear(l.down, spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
                                                                        : layer_ops::silu_mul(gu), s);
     }
+    if (reduce) pending = (*reduce)(pending);
     if (l.post_mlp_norm.defined()) pending = layer_ops::rms_norm(pending, l.post_mlp_norm, s.eps);
   }
   if (pending.defined()) x = x + pending;
