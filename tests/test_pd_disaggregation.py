@@ -234,7 +234,8 @@ def test_no_blocks_leak_on_either_side(cluster) -> None:
 def default_cluster() -> Iterator[dict[str, RemoteServer]]:
     from real_model import default_gguf
 
-    args = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--log-stats-interval", "0"]
+    args = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--log-stats-interval", "0",
+            "--enable-debug-endpoints"]  # fmt: skip
     yield from _start_cluster(str(default_gguf()), args, DECODE_CONFIG)
 
 
