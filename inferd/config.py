@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -230,6 +231,21 @@ class CacheConfig:
             )
 
 
+def _check_writable_dir(flag: str, path: str) -> None:
+    """Create `path` if need be and check that files can be written there (ValueError if not):
+    a tier that cannot write should stop the server at start-up, not warn once per block."""
+    try:
+        if not path.strip():
+            raise OSError("an empty path")
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not a writable directory ({e.strerror or e})") from None
+
+
 # --kv-transfer-config's kv_role (vLLM's names): what a connector does with this engine's KV.
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
@@ -252,6 +268,12 @@ class KVTransferConfig:
     kv_offload_cpu: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_connector is not None:
+            from inferd.kv.connectors.factory import connector_names  # the registry (no cycle)
+
+            if self.kv_connector not in connector_names():
+                raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: "
+                                 f"{', '.join(connector_names())}")  # fmt: skip
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
@@ -260,8 +282,8 @@ class KVTransferConfig:
             raise ValueError(f"--kv-offload-size must be positive, got {self.kv_offload_size}")
         if self.kv_offload_cpu < 0:
             raise ValueError(f"--kv-offload-cpu must be >= 0, got {self.kv_offload_cpu}")
-        if self.kv_offload_dir is not None and not self.kv_offload_dir.strip():
-            raise ValueError("--kv-offload-dir must be a directory path, got an empty string")
+        if self.kv_offload_dir is not None:
+            _check_writable_dir("--kv-offload-dir", self.kv_offload_dir)
 
     @property
     def connector_name(self) -> str | None:
@@ -505,9 +527,6 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
-        if self.kv_transfer.connector_name is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("a KV connector (--kv-transfer-config, --kv-offload-*) with "
-                             "--tensor-parallel-size > 1 is not supported")  # fmt: skip
         if self.dtype not in (*DTYPES, "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
         if self.quantization not in QUANTIZATION_METHODS:

@@ -13,7 +13,14 @@ import pytest
 import inferd
 from inferd import envs
 from inferd.cli import build_parser
-from inferd.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, field_default
+from inferd.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    field_default,
+)
 from inferd.engine.llm import LLM
 from inferd.engine_args import (
     ENGINE_ARGS,
@@ -25,14 +32,15 @@ from inferd.engine_args import (
 )
 
 # Config fields that are deliberately no CLI flag.
-NOT_FLAGS = {"max_auto_kv_cache_memory"}
+# (The KV connector's name, role and extra config are set through --kv-transfer-config's JSON.)
+NOT_FLAGS = {"max_auto_kv_cache_memory", "kv_connector", "kv_role", "kv_connector_extra_config"}
 
 
 def _value(config: EngineConfig, name: str) -> object:
     """Engine argument `name` as `config` holds it."""
     if name == "speculative_config":
         return config.speculative
-    for part in (config, config.cache, config.scheduler, config.parallel):
+    for part in (config, config.cache, config.scheduler, config.parallel, config.kv_transfer):
         if hasattr(part, name):
             return getattr(part, name)
     raise KeyError(name)
@@ -45,8 +53,10 @@ def _engine_parser() -> argparse.ArgumentParser:
 
 
 def test_every_config_field_is_an_engine_argument_once() -> None:
-    nested = [f for cls in (CacheConfig, SchedulerConfig, ParallelConfig) for f in cls.__dataclass_fields__]
-    own = [f for f in EngineConfig.__dataclass_fields__ if f not in ("cache", "scheduler", "parallel")]
+    parts = (CacheConfig, SchedulerConfig, ParallelConfig, KVTransferConfig)
+    nested = [f for cls in parts for f in cls.__dataclass_fields__]
+    own = [f for f in EngineConfig.__dataclass_fields__
+           if f not in ("cache", "scheduler", "parallel", "kv_transfer")]  # fmt: skip
     assert len(ENGINE_ARGS) == len(nested) + len(own)
     assert set(ENGINE_ARGS) == {*nested, *own} - {"speculative"} | {"speculative_config"}
 
@@ -73,7 +83,7 @@ def test_llm_builds_the_cli_config_with_stats_lines_off() -> None:
     assert LLM.engine_config(log_stats_interval=cli.log_stats_interval) == cli
 
 
-def test_flags_and_llm_keywords_name_the_same_settings() -> None:
+def test_flags_and_llm_keywords_name_the_same_settings(tmp_path) -> None:
     argv = ["-m", "x.gguf", "--dtype", "float32", "--device", "cpu", "-q", "int4",
             "--quantization-group-size", "64", "--seed", "5", "--enforce-eager", "--block-size", "32",
             "--kv-cache-memory", "64MiB",
@@ -85,7 +95,8 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
             "--structured-output-timeout", "2.5",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
             "--log-stats-interval", "1", "--tensor-parallel-size", "2",
-            "--kv-events-endpoint", "tcp://127.0.0.1:5557"]  # fmt: skip
+            "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-offload-dir", str(tmp_path),
+            "--kv-offload-size", "1GiB", "--kv-offload-cpu", "64MiB"]  # fmt: skip
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
     llm = LLM.engine_config(
         "x.gguf", dtype="float32", device="cpu", quantization="int4", quantization_group_size=64,
@@ -95,7 +106,8 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
         max_step_latency_factor=2.0, ttft_slo_ms=500.0,
         disable_hybrid_kv_cache_manager=True, structured_output_timeout=2.5,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
-        tensor_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557",
+        tensor_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557", kv_offload_dir=str(tmp_path),
+        kv_offload_size=1 << 30, kv_offload_cpu=64 << 20,
     )  # fmt: skip
     assert cli == llm
     defaults = EngineConfig()

@@ -2,6 +2,8 @@
 
 - multi-turn: a 5-turn chat whose history grows to ~1,500 tokens; time to first token of the fifth
   turn when its history was served before (cache on) vs the same history unseen (cache off).
+- kv-tier: the multi-turn chat's fifth turn after a restart, served from the disk KV tier, vs
+  cold recompute and warm memory (inferd/bench/kv_tier.py).
 - shared-prefix: 16 requests sharing a 1,024-token prefix with distinct 32-token suffixes, sent
   together after one request that makes the prefix hot; mean time to first token and prefill
   tokens computed (after one untimed round of the same).
@@ -50,7 +52,8 @@ def multi_turn(llm, tok, turns: int, turn_tokens: int, answer_tokens: int) -> di
                               use_tqdm=False)  # fmt: skip
         ttft.append(out.metrics.first_token_time - out.metrics.arrival_time)
         history = prompt + out.outputs[0].token_ids
-    return {"ttft_per_turn_s": [round(x, 4) for x in ttft], "final_prompt_tokens": len(prompt)}
+    return {"ttft_per_turn_s": [round(x, 4) for x in ttft], "final_prompt_tokens": len(prompt),
+            "final_prompt": prompt}  # fmt: skip
 
 
 def run_prefix(args: argparse.Namespace) -> dict:
@@ -64,6 +67,12 @@ def run_prefix(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model, verbose=False)
     tok = loaded.tokenizer
     report: dict = {"scenario": args.scenario, "threads": torch.get_num_threads(), "clock": args.clock}
+    if args.scenario == "kv-tier":
+        from inferd.bench.kv_tier import run_kv_tier
+
+        report.update(run_kv_tier(args, loaded, tok, time.process_time if args.clock == "cpu" else None))
+        print(json.dumps(report))
+        return report
     llms = {}
     for cache in (True, False):
         llms[cache] = LLM(loaded=loaded, verbose=False, enable_prefix_caching=cache,
@@ -120,8 +129,9 @@ def run_prefix(args: argparse.Namespace) -> dict:
 
 
 def add_prefix_parser(sub) -> None:
-    p = sub.add_parser("prefix", help="prefix-cache scenarios: multi-turn, shared-prefix (cache on vs off)")
-    p.add_argument("--scenario", choices=["multi-turn", "shared-prefix"], default="shared-prefix")
+    p = sub.add_parser("prefix", help="prefix-cache scenarios: multi-turn, shared-prefix (cache on vs off), "
+                       "kv-tier (after a restart: disk vs cold vs warm)")
+    p.add_argument("--scenario", choices=["multi-turn", "shared-prefix", "kv-tier"], default="shared-prefix")
     p.add_argument("--model", default=None)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -94,6 +94,9 @@ class EngineCore:
         # weights as loaded, before the runner repacks any of them.
         fingerprint = ""
         if config.kv_transfer.connector_name is not None:
+            if config.parallel.tensor_parallel_size > 1:  # each rank would need its worker side
+                raise ValueError("a KV connector (--kv-transfer-config, --kv-offload-*) with "
+                                 "--tensor-parallel-size > 1 is not supported")  # fmt: skip
             fingerprint = model_fingerprint(mcfg, loaded.weights,
                                             f"{self.dtype} {config.quantization} {loaded.file_type}")  # fmt: skip
 
@@ -423,8 +426,8 @@ class EngineCore:
         arrived = self._arrived(*self.scheduler.finish_kv_transfers(*done, self.connector.get_failed_loads()))
         out = self.scheduler.schedule()
         if out.is_empty:
-            if out.kv_connector_meta is not None:  # asynchronous loads only: start them now
-                self.runner.connector.start_load_kv(out.kv_connector_meta)
+            if self.scheduler.loading:  # asynchronous loads wait to start, and no forward will
+                self.runner.connector.start_load_kv(self.connector.build_connector_meta())
             self._refresh_stats()
             return arrived
         shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on
