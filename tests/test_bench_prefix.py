@@ -14,12 +14,15 @@ def _report(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def _bench(tiny_models, capsys, *flags: str) -> dict:
+    """`inferd bench prefix` on the tiny model with `flags`: its JSON report."""
+    assert main(["bench", "prefix", "--model", str(tiny_models["llama-hf"].path), *flags]) == 0
+    return _report(capsys)
+
+
 def test_shared_prefix_report(tiny_models, capsys):
-    model = str(tiny_models["llama-hf"].path)
-    argv = ["bench", "prefix", "--model", model, "--runs", "2", "--prefix-len", "64",
-            "--suffix-len", "8", "--num-requests", "4"]  # fmt: skip
-    assert main(argv) == 0
-    report = _report(capsys)
+    report = _bench(tiny_models, capsys, "--runs", "2", "--prefix-len", "64", "--suffix-len", "8",
+                    "--num-requests", "4")  # fmt: skip
     # With the prefix hot only the suffixes are computed: 4 x 8 tokens (4 x 72 without the cache).
     assert report["prefill_tokens_computed_on"] == 32 and report["distinct_tokens"] == 32
     assert report["computed_over_ideal"] == round(32 / (64 + 32), 3)
@@ -28,22 +31,16 @@ def test_shared_prefix_report(tiny_models, capsys):
 
 
 def test_multi_turn_report(tiny_models, capsys):
-    model = str(tiny_models["llama-hf"].path)
-    argv = ["bench", "prefix", "--model", model, "--scenario", "multi-turn", "--runs", "1",
-            "--turn-tokens", "10", "--answer-tokens", "5"]  # fmt: skip
-    assert main(argv) == 0
-    report = _report(capsys)
+    report = _bench(tiny_models, capsys, "--scenario", "multi-turn", "--runs", "1", "--turn-tokens", "10",
+                    "--answer-tokens", "5")  # fmt: skip
     assert len(report["ttft_per_turn_on"]) == 5 and len(report["ttft_per_turn_off"]) == 5
     assert report["final_prompt_tokens"] == 4 * (10 + 5) + 10
 
 
 def test_kv_tier_report(tiny_models, capsys):
     """After the restart, turn 5's history comes from the disk tier: all its full blocks."""
-    model = str(tiny_models["llama-hf"].path)
-    argv = ["bench", "prefix", "--model", model, "--scenario", "kv-tier", "--runs", "1",
-            "--turn-tokens", "10", "--answer-tokens", "5"]  # fmt: skip
-    assert main(argv) == 0
-    report = _report(capsys)
+    report = _bench(tiny_models, capsys, "--scenario", "kv-tier", "--runs", "1", "--turn-tokens", "10",
+                    "--answer-tokens", "5")  # fmt: skip
     assert report["prompt_tokens"] == 4 * (10 + 5) + 10
     assert report["disk_cached_tokens"] == (report["prompt_tokens"] - 1) // 16 * 16
     assert report["bytes_read_per_run"] > 0

@@ -35,7 +35,10 @@ def _chat(http: httpx.Client, messages: list[dict]) -> dict:
 
 
 def _serve(tier: Path) -> RemoteServer:
-    return RemoteServer(*SMALL_ENGINE, "--kv-offload-dir", str(tier), "--kv-offload-size", "1GiB")
+    # A generous start-up wait: the default model loads slowly on a machine shared with other jobs.
+    return RemoteServer(
+        *SMALL_ENGINE, "--kv-offload-dir", str(tier), "--kv-offload-size", "1GiB", timeout=900
+    )
 
 
 def _header(path: Path) -> dict:

@@ -264,3 +264,79 @@ def test_host_tier_alone(tiny_llama_hf, tmp_path) -> None:
     assert llm.engine.connector.stats()["kv_offload_hits"] >= 40
     llm.engine.check_no_leaks()
     llm.close()
+
+
+def test_hybrid_layout_output_unchanged_with_a_tier(tmp_path) -> None:
+    """Gemma 2's alternating windowed and global layers: two KV groups per block position. Blocks
+    go to the tier (and come back) only where every group holds one; the output never changes."""
+    pytest.importorskip("transformers")
+    from tiny_families import write_family
+
+    from inferd import LLM, SamplingParams
+
+    m = write_family("gemma2", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, m.vocab_size, (30,), generator=g).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(llm, prompt):
+        return (
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+
+    common = {"quantization": "none", "verbose": False, "block_size": 4, "max_num_seqs": 1,
+              "kv_cache_memory": 64 << 10}  # fmt: skip
+    want = run(LLM(str(m.hf_dir), enable_prefix_caching=False, **common), prompts[0])
+    llm = LLM(str(m.hf_dir), kv_offload_dir=str(tmp_path / "tier"), **common)
+    assert llm.engine.kv_block_layout.num_groups == 2
+    assert run(llm, prompts[0]) == want
+    for p in prompts[1:]:
+        run(llm, p)
+    assert run(llm, prompts[0]) == want
+    llm.engine.check_no_leaks()
+    llm.close()
+    again = LLM(str(m.hf_dir), kv_offload_dir=str(tmp_path / "tier"), **common)
+    assert run(again, prompts[0]) == want
+    again.engine.check_no_leaks()
+    again.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_connector_moves_every_group_layer_and_scale(kv_cache_dtype) -> None:
+    """Two KV groups per block position (a hybrid model's pool): evicted blocks saved from their
+    pages in each group, loaded into other pages, bit for bit, scales included."""
+    from types import SimpleNamespace
+
+    from inferd.kv.block_hash import chain_hashes
+    from inferd.kv.kv_cache import KVCache, storage_dtype
+
+    layout = KVBlockLayout("ef" * 16, "float32" if kv_cache_dtype == "auto" else "int8", 4, 2, 3, 2,
+                           2, 8, kv_cache_dtype != "auto")  # fmt: skip
+    dtype = storage_dtype(kv_cache_dtype, torch.float32)
+    data = torch.randint(0, 100, (3, 2, 12, 4, 2, 8)).to(
+        dtype
+    )  # [layers, planes, blocks, bs, heads, dim]
+    pool = KVCache(data, kv_cache_dtype)
+    if pool.scales is not None:
+        pool.scales.copy_(torch.rand(pool.scales.shape))
+    before = (pool.data.clone(), None if pool.scales is None else pool.scales.clone())
+    tier = make_connector(KVTransferConfig(kv_offload_cpu=1 << 20), layout)
+    tier.register_kv_cache(pool)
+    tokens = list(range(10, 21))  # 11 tokens: blocks 0 and 1 are full, and may be loaded
+    h = chain_hashes(tokens, 4)
+    tier.blocks_evicted([(h[0], [1, 5]), (h[1], [2, 7])])  # (hash, block in group 0, in group 1)
+    tier.start_load_kv(tier.build_connector_meta())
+    request = SimpleNamespace(seq_id=1, token_ids=tokens, num_computed_tokens=0,
+                              params=SimpleNamespace(cache_salt=None))  # fmt: skip
+    assert tier.get_num_new_matched_tokens(request, 0) == (8, False)
+    tier.update_state_after_alloc(request, [[9, 10, 0], [3, 11, 0]], 8)
+    tier.start_load_kv(tier.build_connector_meta())
+    for dst, src in ((9, 1), (3, 5), (10, 2), (11, 7)):
+        assert torch.equal(pool.data[:, :, dst], before[0][:, :, src])
+        if pool.scales is not None:
+            assert torch.equal(pool.scales[:, :, dst], before[1][:, :, src])
+    assert tier.stats()["kv_offload_hits"] == 8
+    salted = SimpleNamespace(**{**vars(request), "params": SimpleNamespace(cache_salt="tenant")})
+    assert tier.get_num_new_matched_tokens(salted, 0) == (0, False)  # another tenant's: never

@@ -27,8 +27,9 @@ WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--block-
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 ROUTER_ARGS = ["--health-check-interval", "0.5", "--health-failure-threshold", "1"]
 STARTUP_S = 900  # a server's start on a machine shared with other jobs (load averages of 30 seen)
-# A short pull timeout: the kill test waits for it.
-DECODE_CONFIG = json.dumps({"kv_connector_extra_config": {"pull_timeout_s": 3}})
+# A short pull timeout: the kill test waits for it (the default model's workers keep the default:
+# on a loaded machine a live prefill worker may take seconds to answer).
+DECODE_CONFIG = json.dumps({"kv_connector_extra_config": {"pull_timeout_s": 10}})
 
 PROMPTS = ["Tell me about the sea and its long tides", "What is a prime number, briefly",
            "List three colours of a sunset sky, then explain why the sky turns red"]  # fmt: skip
@@ -234,8 +235,9 @@ def test_no_blocks_leak_on_either_side(cluster) -> None:
 def default_cluster() -> Iterator[dict[str, RemoteServer]]:
     from real_model import default_gguf
 
-    args = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--log-stats-interval", "0"]
-    yield from _start_cluster(str(default_gguf()), args, DECODE_CONFIG)
+    args = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--log-stats-interval", "0",
+            "--enable-debug-endpoints"]  # fmt: skip
+    yield from _start_cluster(str(default_gguf()), args, "{}")
 
 
 def test_default_model_greedy_chat_parity(default_cluster) -> None:

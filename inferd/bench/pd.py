@@ -101,9 +101,11 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
                     args.decode_tokens,
                 )
                 decodes.append(
-                    await _send(session, endpoint, "completions", "m", p, ignore_eos=True)
+                    await _send(session, endpoint, "completions", args.model, p, ignore_eos=True)
                 )
                 n += 1
+                if not decodes[-1].ok:
+                    break  # a failing setup: reported, not hammered
 
         async def long_prompts() -> None:
             i, tasks = 0, []
@@ -112,7 +114,7 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
                 p = Prompt(_long_prompt(i, args.long_prompt_tokens), args.long_output_tokens)
                 tasks.append(
                     asyncio.create_task(
-                        _send(session, endpoint, "completions", "m", p, ignore_eos=True)
+                        _send(session, endpoint, "completions", args.model, p, ignore_eos=True)
                     )
                 )
                 i += 1

@@ -447,8 +447,8 @@ class EngineCore:
         arrived = self._arrived(*self.scheduler.finish_kv_transfers(*done, self.connector.get_failed_loads()))
         out = self.scheduler.schedule()
         if out.is_empty:
-            if out.kv_connector_meta is not None:  # asynchronous loads only: start them now
-                self.runner.connector.start_load_kv(out.kv_connector_meta)
+            if self.scheduler.loading:  # asynchronous loads wait to start, and no forward will
+                self.runner.connector.start_load_kv(self.connector.build_connector_meta())
             self._refresh_stats()
             return arrived
         shape = step_shape(out.scheduled, out.starts)  # before the step moves the sequences on

@@ -355,7 +355,8 @@ class Scheduler:
             prefill_room -= n
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.attach_kv(self.kv)
-        out.kv_connector_meta = self.connector.build_connector_meta()
+        if out.scheduled:  # else no forward runs: what is pending waits for the next step's
+            out.kv_connector_meta = self.connector.build_connector_meta()
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledTokens]) -> list[Sequence]:

@@ -314,7 +314,7 @@ class PDConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)  # a stuck pull must not hold up the exit
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:

@@ -170,8 +170,7 @@ class KVSender:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes the socket even if the thread is still in a poll
         with self._lock:
             for o in self._transfers.values():
                 for path in o.files:
@@ -363,4 +362,4 @@ class KVReceiver:
             sock.close()
 
     def close(self) -> None:
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # never waits on a socket a stuck pull still holds
