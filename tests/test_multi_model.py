@@ -47,7 +47,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def http(server: RemoteServer):
-    with httpx.Client(base_url=server.url, timeout=300, headers=AUTH) as c:
+    # A load is seconds on a quiet machine, minutes on a loaded one.
+    with httpx.Client(base_url=server.url, timeout=1800, headers=AUTH) as c:
         yield c
 
 
@@ -139,27 +140,24 @@ def _tree_rss(pid: int) -> int:
 
 
 def test_unloading_returns_the_memory(server: RemoteServer, http: httpx.Client) -> None:
+    """gemma is loaded (the last swap loaded it): unloading it ends its engine process."""
     admin = {"headers": ADMIN_AUTH}
+    assert loaded(http) == {"smol": True, "gemma": True, "smolb": False}
     r = http.post("/v1/models/unload", json={"model": "smolb"}, **admin)  # not loaded
     assert r.status_code == 200 and r.json()["changed"] is False, r.text
-    r = http.post("/v1/models/unload", json={"model": "gemma"}, **admin)  # loaded: unloads
-    assert r.status_code == 200 and r.json()["changed"] is True
-    before = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
-    r = http.post("/v1/models/load", json={"model": "gemma"}, **admin)
-    assert r.status_code == 200 and r.json()["changed"] is True, r.text
-    engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if p.pid not in before]  # fmt: skip
-    assert engines, "loading started no engine process"
-    engine_rss = sum(p.memory_info().rss for p in engines)
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    rss = {p.pid: p.memory_info().rss for p in children}
     loaded_rss = _tree_rss(server.proc.pid)
     r = http.post("/v1/models/unload", json={"model": "gemma"}, **admin)
     assert r.status_code == 200 and r.json()["changed"] is True, r.text
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines)
+    gone = [p for p in children if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
+    assert gone, "no engine process ended"
     assert loaded(http)["gemma"] is False
     # What the engine process held is gone from the server's tree (the rest may move a little).
+    engine_rss = sum(rss[p.pid] for p in gone)
     assert _tree_rss(server.proc.pid) < loaded_rss - engine_rss // 2
     text = http.get("/metrics").text
-    assert metric(text, "inferd:model_unloads_total", model_name="gemma", reason="admin") == 2
+    assert metric(text, "inferd:model_unloads_total", model_name="gemma", reason="admin") == 1
     assert metric(text, "inferd:model_resident_bytes", model_name="gemma") == 0
 
 
@@ -213,7 +211,7 @@ def test_the_router_serves_every_model_of_a_multi_model_server(server: RemoteSer
     router = RemoteServer("--worker-urls", server.url, "--health-check-interval", "0.5",
                           command="router", timeout=900)  # fmt: skip
     try:
-        with httpx.Client(base_url=router.url, timeout=300, headers=AUTH) as c:
+        with httpx.Client(base_url=router.url, timeout=1800, headers=AUTH) as c:
             for model in ["gemma", "smol"]:
                 r = complete(c, model)
                 assert r.status_code == 200, r.text
