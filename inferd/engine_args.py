@@ -111,8 +111,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     d = engine_arg_default
     model_help = "GGUF file or HF model directory (default: SmolLM2-135M-Instruct)"
     if model_positional:  # `inferd serve`: several, each PATH or NAME=PATH (served_models.py)
-        parser.add_argument("model", nargs="*", default=d("model"), help=model_help
+        parser.add_argument("models", nargs="*", metavar="model", help=model_help
                             + "; several as NAME=PATH NAME=PATH ...")
+        parser.set_defaults(model=d("model"))  # the one model's path, once `serve` has read it
     else:
         parser.add_argument("--model", "-m", default=d("model"), help=model_help)
     g = parser.add_argument_group("engine")

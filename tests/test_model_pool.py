@@ -91,6 +91,25 @@ def test_a_busy_model_stays_until_it_drains(tiny_llama_gguf) -> None:
     _run(pool, body)
 
 
+def test_a_client_leaving_mid_load_leaves_the_model_loaded(tiny_llama_gguf) -> None:
+    pool = _pool(str(tiny_llama_gguf.path), max_loaded_models=1)
+
+    async def body() -> None:
+        async def request() -> None:
+            async with pool.use("a"):
+                pass
+
+        client = asyncio.create_task(request())
+        await _until(lambda: "a" in pool._swaps, "the swap to start")
+        client.cancel()
+        await _until(lambda: _loaded(pool) == {"a"} and not pool._swaps, "the load to end")
+        assert pool.entries["a"].leases == 0 and pool._waiting == 0
+        async with pool.use("b"):  # the abandoned model is idle: evicted as usual
+            assert _loaded(pool) == {"b"}
+
+    _run(pool, body)
+
+
 def test_the_swap_queue_is_bounded(tiny_llama_gguf) -> None:
     pool = _pool(str(tiny_llama_gguf.path), max_loaded_models=1, max_swap_queue_len=1)
 

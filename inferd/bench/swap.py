@@ -54,12 +54,13 @@ def run_swap(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "inferd.cli", "serve", *models, "--port", str(port),
            "--max-loaded-models", "1", "--kv-cache-memory", args.kv_cache_memory,
            "--max-model-len", "512", "--log-stats-interval", "0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     swap: dict[str, list[float]] = {n: [] for n in names}
     warm: dict[str, list[float]] = {n: [] for n in names}
     try:
-        _wait_healthy(url, proc)
-        with httpx.Client(timeout=600) as c:
+        _wait_healthy(url, proc, timeout=3600)
+        with httpx.Client(timeout=3600) as c:  # a load on a busy machine can take minutes
 
             def once(model: str) -> float:
                 body = {"model": model, "prompt": _PROMPT, "max_tokens": 1, "temperature": 0}
@@ -78,9 +79,11 @@ def run_swap(args: argparse.Namespace) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
+        if args.server_log:
+            log.close()  # type: ignore[union-attr]
     load = _histogram_means(metrics, "inferd:model_load_time_seconds")
     unload = _histogram_means(metrics, "inferd:model_unload_time_seconds")
-    report: dict = {"rounds": args.rounds, "models": {}}
+    report: dict = {"rounds": args.rounds, "kv_cache_memory": args.kv_cache_memory, "models": {}}
     for i, name in enumerate(names):
         other = names[1 - i]
         s, w = float(np.median(swap[name])), float(np.median(warm[name]))
@@ -104,4 +107,5 @@ def add_swap_parser(sub) -> None:
                    help="two models as NAME=PATH (default: smol and gemma, the two real models)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="swaps to each model")
     p.add_argument("--kv-cache-memory", default="64MiB", help="each model's KV pool")
+    p.add_argument("--server-log", default=None, help="write the server's output here")
     p.set_defaults(func=run_swap)

@@ -139,7 +139,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
     """A single model's names: --served-model-name, its NAME=, or its path."""
     from inferd.loader.default_model import DEFAULT_MODEL_NAME
 
-    name, path = parse_model_arg(args.model[0]) if args.model else (None, None)
+    name, path = parse_model_arg(args.models[0]) if args.models else (None, None)
     return args.served_model_name or [name or path or DEFAULT_MODEL_NAME]
 
 
@@ -157,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     pool_config = model_pool_config(args) if uses_pool(args) else None
     names = served_names(args) if pool_config is None else [m.name for m in pool_config.models]
     if pool_config is None:
-        args.model = parse_model_arg(args.model[0])[1] if args.model else None
+        args.model = parse_model_arg(args.models[0])[1] if args.models else None
         configs = {names[0]: engine_config_from_args(args)}
     else:
         if args.chat_template:

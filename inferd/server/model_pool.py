@@ -104,6 +104,7 @@ class ModelPool:
         self._lock: asyncio.Lock | None = None
         self._waiting = 0  # requests in the swap queue
         self._tasks: set[asyncio.Task[None]] = set()
+        self._swaps: dict[str, asyncio.Task[None]] = {}  # a swap in progress, by model name
         self._closing = False
         self.pin_errors: dict[str, str] = {}  # a pinned model that failed to load, and why
 
@@ -121,7 +122,7 @@ class ModelPool:
 
     def close(self) -> None:
         self._closing = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._swaps.values()]:
             task.cancel()
         for e in self.entries.values():
             if e.replicas is not None:
@@ -226,6 +227,16 @@ class ModelPool:
             self.metrics.swap_waiting.set(self._waiting)
 
     async def _ensure_loaded(self, entry: _Entry) -> None:
+        """Wait for `entry`'s swap: one task per model, which its waiters share and shield, so a
+        client that leaves mid-swap never leaves an engine process started and unrecorded."""
+        name = entry.spec.name
+        task = self._swaps.get(name)
+        if task is None:
+            task = self._swaps[name] = asyncio.get_running_loop().create_task(self._swap_in(entry))
+            task.add_done_callback(lambda _: self._swaps.pop(name, None))
+        await asyncio.shield(task)
+
+    async def _swap_in(self, entry: _Entry) -> None:
         assert self._lock is not None
         async with self._lock:
             while entry.replicas is None:
@@ -290,9 +301,11 @@ class ModelPool:
         replicas.start()
         try:
             await asyncio.gather(*(r.engine.wait_ready() for r in replicas.replicas))
-        except Exception as e:  # noqa: BLE001 — the model's own load error, for the client
+        except BaseException as e:  # its own load error (for the client), or the server closing
             replicas.close()
             await asyncio.to_thread(replicas.shutdown)
+            if not isinstance(e, Exception):
+                raise
             raise APIError(503, f"the model `{name}` failed to load: {e}",
                            code="model_load_failed") from e  # fmt: skip
         entry.load_seconds = time.monotonic() - started

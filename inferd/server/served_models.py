@@ -101,7 +101,7 @@ def parse_model_arg(text: str) -> tuple[str | None, str]:
 
 def uses_pool(args: argparse.Namespace) -> bool:
     """Several models, a named one, or a pool flag: the pool serves; else the single model."""
-    models = args.model or []
+    models = args.models
     named = any(parse_model_arg(m)[0] is not None for m in models)
     flags = (args.max_loaded_models, args.models_memory, args.model_ttl)
     return len(models) > 1 or named or bool(args.pin) or any(f is not None for f in flags)
@@ -116,7 +116,7 @@ def model_pool_config(args: argparse.Namespace) -> ModelPoolConfig:
         raise ValueError("--data-parallel-size > 1 with several models is not supported; run a "
                          "server per model behind `inferd router`")  # fmt: skip
     specs = []
-    for text in args.model:
+    for text in args.models:
         name, path = parse_model_arg(text)
         specs.append(ModelSpec(name or path, path, args.kv_cache_memory))
     queue = args.max_queue_len or None
