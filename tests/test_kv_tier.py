@@ -24,7 +24,7 @@ TURNS = [
     "Now say it again, more briefly.",
     "Thank you. What did I ask you first?",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def _chat(http: httpx.Client, messages: list[dict]) -> dict:
@@ -36,9 +36,8 @@ def _chat(http: httpx.Client, messages: list[dict]) -> dict:
 
 def _serve(tier: Path) -> RemoteServer:
     # A generous start-up wait: the default model loads slowly on a machine shared with other jobs.
-    return RemoteServer(
-        *SMALL_ENGINE, "--kv-offload-dir", str(tier), "--kv-offload-size", "1GiB", timeout=900
-    )
+    return RemoteServer(*SMALL_ENGINE, "--enable-debug-endpoints", "--kv-offload-dir", str(tier),
+                        "--kv-offload-size", "1GiB", timeout=900)  # fmt: skip
 
 
 def _header(path: Path) -> dict:
