@@ -13,7 +13,7 @@ import pytest
 import inferd
 from inferd import envs
 from inferd.cli import build_parser
-from inferd.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, field_default
+from inferd.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig, field_default
 from inferd.engine.llm import LLM
 from inferd.engine_args import (
     ENGINE_ARGS,
@@ -32,7 +32,7 @@ def _value(config: EngineConfig, name: str) -> object:
     """Engine argument `name` as `config` holds it."""
     if name == "speculative_config":
         return config.speculative
-    for part in (config, config.cache, config.scheduler, config.parallel):
+    for part in (config, config.cache, config.scheduler, config.parallel, config.lora):
         if hasattr(part, name):
             return getattr(part, name)
     raise KeyError(name)
@@ -45,8 +45,8 @@ def _engine_parser() -> argparse.ArgumentParser:
 
 
 def test_every_config_field_is_an_engine_argument_once() -> None:
-    nested = [f for cls in (CacheConfig, SchedulerConfig, ParallelConfig) for f in cls.__dataclass_fields__]
-    own = [f for f in EngineConfig.__dataclass_fields__ if f not in ("cache", "scheduler", "parallel")]
+    nested = [f for cls in (CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig) for f in cls.__dataclass_fields__]
+    own = [f for f in EngineConfig.__dataclass_fields__ if f not in ("cache", "scheduler", "parallel", "lora")]
     assert len(ENGINE_ARGS) == len(nested) + len(own)
     assert set(ENGINE_ARGS) == {*nested, *own} - {"speculative"} | {"speculative_config"}
 
@@ -85,7 +85,8 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
             "--structured-output-timeout", "2.5",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
             "--log-stats-interval", "1", "--tensor-parallel-size", "2",
-            "--kv-events-endpoint", "tcp://127.0.0.1:5557"]  # fmt: skip
+            "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--enable-lora", "--lora-modules", "a=/x",
+            "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]  # fmt: skip
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
     llm = LLM.engine_config(
         "x.gguf", dtype="float32", device="cpu", quantization="int4", quantization_group_size=64,
@@ -95,7 +96,8 @@ def test_flags_and_llm_keywords_name_the_same_settings() -> None:
         max_step_latency_factor=2.0, ttft_slo_ms=500.0,
         disable_hybrid_kv_cache_manager=True, structured_output_timeout=2.5,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
-        tensor_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557",
+        tensor_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557", enable_lora=True,
+        lora_modules=["a=/x"], max_loras=2, max_lora_rank=8, max_cpu_loras=3,
     )  # fmt: skip
     assert cli == llm
     defaults = EngineConfig()
