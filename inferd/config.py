@@ -629,8 +629,6 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
         if self.dtype not in (*DTYPES, "half", "float"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16; got {self.dtype}")
         if self.quantization not in QUANTIZATION_METHODS:

@@ -17,6 +17,7 @@ from inferd.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     field_default,
@@ -40,7 +41,7 @@ def _value(config: EngineConfig, name: str) -> object:
     """Engine argument `name` as `config` holds it."""
     if name == "speculative_config":
         return config.speculative
-    for part in (config, config.cache, config.scheduler, config.parallel, config.kv_transfer):
+    for part in (config, config.cache, config.scheduler, config.parallel, config.kv_transfer, config.lora):
         if hasattr(part, name):
             return getattr(part, name)
     raise KeyError(name)
@@ -53,10 +54,10 @@ def _engine_parser() -> argparse.ArgumentParser:
 
 
 def test_every_config_field_is_an_engine_argument_once() -> None:
-    parts = (CacheConfig, SchedulerConfig, ParallelConfig, KVTransferConfig)
+    parts = (CacheConfig, SchedulerConfig, ParallelConfig, KVTransferConfig, LoRAConfig)
     nested = [f for cls in parts for f in cls.__dataclass_fields__]
     own = [f for f in EngineConfig.__dataclass_fields__
-           if f not in ("cache", "scheduler", "parallel", "kv_transfer")]  # fmt: skip
+           if f not in ("cache", "scheduler", "parallel", "kv_transfer", "lora")]  # fmt: skip
     assert len(ENGINE_ARGS) == len(nested) + len(own)
     assert set(ENGINE_ARGS) == {*nested, *own} - {"speculative"} | {"speculative_config"}
 
@@ -97,7 +98,8 @@ def test_flags_and_llm_keywords_name_the_same_settings(tmp_path) -> None:
             "--log-stats-interval", "1", "--tensor-parallel-size", "2",
             "--distributed-executor-backend", "ray", "--ray-placement-strategy", "SPREAD",
             "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-offload-dir", str(tmp_path),
-            "--kv-offload-size", "1GiB", "--kv-offload-cpu", "64MiB"]  # fmt: skip
+            "--kv-offload-size", "1GiB", "--kv-offload-cpu", "64MiB", "--enable-lora", "--lora-modules", "a=/x",
+            "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]  # fmt: skip
     cli = engine_config_from_args(_engine_parser().parse_args(argv))
     llm = LLM.engine_config(
         "x.gguf", dtype="float32", device="cpu", quantization="int4", quantization_group_size=64,
@@ -109,7 +111,8 @@ def test_flags_and_llm_keywords_name_the_same_settings(tmp_path) -> None:
         speculative_config={"method": "ngram", "num_speculative_tokens": 2}, log_stats_interval=1,
         tensor_parallel_size=2, distributed_executor_backend="ray", ray_placement_strategy="SPREAD",
         kv_events_endpoint="tcp://127.0.0.1:5557", kv_offload_dir=str(tmp_path),
-        kv_offload_size=1 << 30, kv_offload_cpu=64 << 20,
+        kv_offload_size=1 << 30, kv_offload_cpu=64 << 20, enable_lora=True,
+        lora_modules=["a=/x"], max_loras=2, max_lora_rank=8, max_cpu_loras=3,
     )  # fmt: skip
     assert cli == llm
     defaults = EngineConfig()

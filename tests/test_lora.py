@@ -365,3 +365,16 @@ def test_scheduler_admits_adapters_within_slots_in_order():
     # joins at once; each runs a prefill step and a decode step.
     assert ran == [["r0", "r3"], ["r0", "r3"], ["r1"], ["r1"], ["r2"], ["r2"]]
     sched.kv.check_integrity()
+
+
+def test_bench_lora_scenario(tiny_llama_hf, capsys):
+    import json
+
+    from inferd.cli import main
+
+    assert main(["bench", "offline", "--scenario", "lora", "--model", str(tiny_llama_hf.path), "--runs", "1",
+                 "--num-prompts", "4", "--input-len", "10", "--output-len", "5", "--lora-adapters", "2",
+                 "--lora-rank", "4", "--peers", "none"]) == 0  # fmt: skip
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["scenario"] == "lora" and (r["lora_adapters"], r["lora_rank"], r["num_prompts"]) == (2, 4, 4)
+    assert r["base_tps"] > 0 and r["lora_tps"] > 0 and r["ratio_lora"] > 0 and r["ratio_lora_cpu_time"] > 0

@@ -109,6 +109,8 @@ class EngineCore:
         # KV cache groups: a block holds one group's layers (inferd/kv/kv_groups.py).
         layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
         tp = config.parallel.tensor_parallel_size
+        if tp > 1 and config.lora.enable_lora:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
         if tp > 1:  # before anything is built: heads or vocabulary that do not split
             check_tensor_parallel(mcfg, tp)
             check_placement(tp, self.device, config.parallel.distributed_executor_backend)
