@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from test_spec_suffix import _texts
 from test_speculative import (  # noqa: F401 (fixed_speculation_costs: autouse)
     _assert_same_distribution,
     _llm,
@@ -18,29 +19,8 @@ from test_speculative import (  # noqa: F401 (fixed_speculation_costs: autouse)
 from inferd import SamplingParams
 from inferd.config import SpeculativeConfig
 from inferd.spec.lookahead import LookaheadProposer, NgramPool
-from inferd.structured import StructuredOutputsParams
 
 LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
-
-
-def _requests() -> tuple[list[dict], list[SamplingParams]]:
-    """Greedy requests, two of them the same, one under a grammar, one with n = 2; long enough
-    that the random model's text repeats itself (so that some drafts are accepted)."""
-    base = [11, 23, 5, 67, 8, 90, 12, 34, 5, 67, 8, 41, 2, 9, 77, 31]
-    prompts = [base, list(range(5, 40)), base, base[:9] + [3, 4, 5, 3, 4, 5], base * 2]
-    params = [
-        SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=83, ignore_eos=True, logprobs=1),
-        SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputsParams(regex="[ab]{4,9}")),
-        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, n=2, repetition_penalty=1.2),
-    ]
-    return [{"prompt_token_ids": p} for p in prompts], params
-
-
-def _texts(llm) -> list[list[list[int]]]:
-    outs = llm.generate(*_requests(), use_tqdm=False)
-    return [[o.token_ids for o in out.outputs] for out in outs]
 
 
 def test_greedy_identical_batched_with_prefix_hits_and_structured_output(tiny_llama_gguf):
@@ -49,13 +29,13 @@ def test_greedy_identical_batched_with_prefix_hits_and_structured_output(tiny_ll
     # Every sequence drafts 6 at every step: a random model's Jacobi guesses are rarely right,
     # and the policy would soon leave them unverified.
     on.engine.spec_policy.depths = lambda seqs, batch_size: [6] * len(seqs)
-    want = _texts(off)
-    assert _texts(on) == want
+    want = _texts(off, 90)
+    assert _texts(on, 90) == want
     stats = on.engine.get_stats()
     hits, accepted = stats.prefix_cache_hits_total, stats.spec_accepted_tokens
     assert 0 < accepted < stats.spec_draft_tokens
     on.engine.check_no_leaks()
-    assert _texts(on) == want  # every prompt now a prefix-cache hit
+    assert _texts(on, 90) == want  # every prompt now a prefix-cache hit
     assert stats.prefix_cache_hits_total > hits
     on.engine.check_no_leaks()
 

@@ -22,22 +22,23 @@ from inferd.structured import StructuredOutputsParams
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 
 
-def _requests() -> tuple[list[dict], list[SamplingParams]]:
-    """Greedy requests, two of them the same, one under a grammar, one with n = 2."""
+def _requests(length: int = 40) -> tuple[list[dict], list[SamplingParams]]:
+    """Greedy requests, two of them the same, one under a grammar, one with n = 2; `length`
+    tokens long (a longer text lets a random model repeat itself, so more drafts are accepted)."""
     base = [11, 23, 5, 67, 8, 90, 12, 34, 5, 67, 8, 41, 2, 9, 77, 31]
     prompts = [base, list(range(5, 40)), base, base[:9] + [3, 4, 5, 3, 4, 5], base * 2]
     params = [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=33, ignore_eos=True, logprobs=1),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=length - 7, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputsParams(regex="[ab]{4,9}")),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=3 * length // 4, ignore_eos=True, n=2, repetition_penalty=1.2),
     ]
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def _texts(llm) -> list[list[list[int]]]:
-    outs = llm.generate(*_requests(), use_tqdm=False)
+def _texts(llm, length: int = 40) -> list[list[list[int]]]:
+    outs = llm.generate(*_requests(length), use_tqdm=False)
     return [[o.token_ids for o in out.outputs] for out in outs]
 
 
