@@ -169,7 +169,10 @@ def build_app(
     @app.get("/v1/models")
     @api_errors
     async def models() -> ModelList:
-        return ModelList(data=served.cards() + adapter_cards(state, state.created, state.max_model_len))
+        cards = served.cards()
+        if state.enable_lora:  # a single model's server (several models refuse --enable-lora)
+            cards += adapter_cards(state, state.created, state.max_model_len)
+        return ModelList(data=cards)
 
     @app.get("/health", response_model=None)
     @api_errors
