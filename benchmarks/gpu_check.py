@@ -308,8 +308,9 @@ def speculation(device: torch.device, quick: bool, work: Path) -> dict[str, Any]
     plain = greedy_tokens(LLM(str(path), **common), PARITY_PROMPTS, PARITY_NEW_TOKENS)
     release(device)
     spec = {"method": "ngram", "num_speculative_tokens": 2 if quick else 4, "prompt_lookup_max": 3,
-            "disable_by_batch_size": 64}  # fmt: skip
-    # max_num_seqs bounds the batch sizes the start-up calibration of speculation times.
+            "disable_by_batch_size": 64, "adaptive_depth": False}  # fmt: skip
+    # Fixed depth: this section checks that verification changes no token, not when drafting
+    # pays (a measured policy may rightly find a tiny model's drafts too dear and draft none).
     llm = LLM(str(path), speculative_config=spec, max_num_seqs=len(PARITY_PROMPTS), **common)
     drafted = greedy_tokens(llm, PARITY_PROMPTS, PARITY_NEW_TOKENS)
     stats = llm.engine.stats

@@ -383,6 +383,11 @@ class SpeculativeConfig:
     # start-up where verifying k tokens stops being nearly free and decides from the running
     # acceptance length.
     disable_by_batch_size: int | None = None
+    # True: each sequence's depth is chosen per step from what verifying costs on this machine
+    # (measured at start-up) and what its drafts have been worth (inferd.spec.policy). False:
+    # every eligible sequence drafts num_speculative_tokens each step, as vLLM and SGLang do;
+    # no start-up measurement.
+    adaptive_depth: bool = True
     # draft_model only: its weights' --quantization (default: the target's).
     quantization: str | None = None
     # eagle and medusa: the head's top-`draft_topk` tokens at each depth are verified; the first
@@ -439,6 +444,8 @@ class SpeculativeConfig:
             bad(f"draft_topk must be an integer in [1, 8], got {t!r}")
         if t > 1 and self.method not in ("eagle", "medusa"):
             bad(f'draft_topk > 1 needs method "eagle" or "medusa", got {self.method!r}')
+        if not isinstance(self.adaptive_depth, bool):
+            bad(f"adaptive_depth must be true or false, got {self.adaptive_depth!r}")
         if not isinstance(self.dynamic_tree, bool):
             bad(f"dynamic_tree must be true or false, got {self.dynamic_tree!r}")
         if self.quantization not in (None, "auto", "none", "int8", "int4", "fp8"):

@@ -7,7 +7,7 @@ import pytest
 
 from inferd import SamplingParams
 from inferd.scheduler.sequence import Sequence
-from inferd.spec.policy import SpecPolicy, best_depth, expected_tokens, probe_interval
+from inferd.spec.policy import FixedDepthPolicy, SpecPolicy, best_depth, expected_tokens, probe_interval
 
 
 def test_policy_depth_follows_acceptance_and_cost():
@@ -26,6 +26,21 @@ def test_policy_depth_follows_acceptance_and_cost():
     short = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=2))
     fresh_policy = SpecPolicy(4, disable_by_batch_size=8, verify_cost={1: 0.02, 16: 0.5})
     assert fresh_policy.depths([short], batch_size=1) == [1]  # never more than max_tokens allows
+
+
+def test_fixed_depth_drafts_k_whatever_the_outcomes():
+    """`adaptive_depth: false`: k every step however the drafts fare, every ranked node and (greedy)
+    leaf verified; the batch-size limit and max_tokens still hold."""
+    policy = FixedDepthPolicy(4, disable_by_batch_size=8, leaf_width=2, ranked=True)
+    greedy = Sequence("r", 0, [1, 2], 2, SamplingParams(temperature=0, max_tokens=100))
+    sampled = Sequence("r", 0, [1, 2], 2, SamplingParams(temperature=1.0, max_tokens=100))
+    short = Sequence("r", 0, [1, 2], 2, SamplingParams(max_tokens=3))
+    for _ in range(20):
+        policy.record(greedy, 4, 0)
+    assert policy.depths([greedy, sampled, short], batch_size=3) == [4, 4, 2]
+    assert policy.depths([greedy], batch_size=9) == [0]
+    assert policy.verified_rows([0.9, 0.1, 0.01], batch_size=1) == 3
+    assert policy.leaf_widths([greedy, sampled, greedy], [4, 4, 0], batch_size=3) == [2, 0, 0]
 
 
 def test_policy_starts_new_sequences_at_what_recent_drafts_were_worth():

@@ -119,6 +119,18 @@ def test_greedy_outputs_identical_on_a_narrow_kv_cache(tiny_llama_gguf, kv_cache
     llm.engine.check_no_leaks()
 
 
+def test_fixed_depth_measures_nothing_and_stays_lossless(tiny_llama_gguf, reference, monkeypatch):
+    """`adaptive_depth: false` builds no measured policy (no start-up calibration) and its
+    verifications, k drafts wherever the proposer has them, change no token."""
+    monkeypatch.setattr(spec_decoder, "measure_verify_cost", lambda *a, **kw: pytest.fail("measured"))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive_depth": False}
+    llm = _llm(tiny_llama_gguf.path, spec)
+    assert _run(llm) == reference(KV)[0]
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_draft_tokens_per_position[3] > 0
+    llm.engine.check_no_leaks()
+
+
 def test_acceptance_counted_by_chain_position(tiny_llama_gguf):
     """The engine's per-position counts (vLLM's num_accepted_tokens_per_pos): drafts verified
     and accepted at each depth of the chain, consistent with the totals."""
@@ -370,6 +382,7 @@ def test_calibration_measures_every_depth(tiny_llama_gguf):
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "prompt_lookup_max": 0}', "prompt_lookup_min"),
     ('{"method": "ngram", "prompt_lookup_min": "2"}', "prompt_lookup_min"),
+    ('{"method": "ngram", "adaptive_depth": "no"}', "adaptive_depth must be true or false"),
 ])  # fmt: skip
 def test_bad_speculative_config(value, message):
     with pytest.raises(ValueError, match=message):

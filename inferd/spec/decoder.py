@@ -25,7 +25,7 @@ from inferd.sampling.rejection import verify
 from inferd.scheduler.scheduler import SampledTokens, SchedulerOutput
 from inferd.scheduler.sequence import Sequence
 from inferd.spec.calibrate import measure_verify_cost
-from inferd.spec.policy import SpecPolicy
+from inferd.spec.policy import FixedDepthPolicy, SpecPolicy
 from inferd.spec.proposer import Proposer, ProposerContext, build_proposer
 from inferd.spec.step_times import MAX_BATCH as STEP_TIMES_MAX_BATCH
 
@@ -86,12 +86,17 @@ class SpecDecoder(NoSpecDecoder):
     def build(cls, ctx: ProposerContext, runner: ModelRunner, kv: KVCacheManager, max_num_seqs: int,
               stats: EngineStats) -> SpecDecoder:  # fmt: skip
         """The proposer `ctx.spec` names, and a policy priced by measuring what verifying
-        drafts costs this target on this machine (`measure_verify_cost`, at start-up)."""
+        drafts costs this target on this machine (`measure_verify_cost`, at start-up), or the
+        fixed depth when `adaptive_depth` is off."""
         spec = ctx.spec
         proposer = build_proposer(ctx)
         k = spec.num_speculative_tokens
         leaves = (spec.draft_topk - 1) * k
         context = max(1, min(128, ctx.max_model_len - k - 1))
+        if not spec.adaptive_depth:
+            policy = FixedDepthPolicy(k, spec.disable_by_batch_size, leaf_width=spec.draft_topk - 1,
+                                      ranked=proposer.ranks_drafts)  # fmt: skip
+            return cls(proposer, policy, ctx, stats, runner.readbacks)
         cost, leaf_cost = measure_verify_cost(runner, kv, k, min(max_num_seqs, 64),
                                               ctx.model_config.vocab_size, context=context,
                                               leaves=leaves)  # fmt: skip

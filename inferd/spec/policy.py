@@ -355,6 +355,27 @@ class SpecPolicy:
             self._spec_time_line = None  # refitted when next asked
 
 
+class FixedDepthPolicy(SpecPolicy):
+    """`adaptive_depth: false`: every sequence drafts k_max each step (fewer only where max_tokens
+    ends it sooner), verifies every ranked node and, for greedy requests, every leaf; no cost is
+    measured (outcomes are still recorded, for the metrics). Above `disable_by_batch_size` sequences still decode plainly."""
+
+    def __init__(self, k_max: int, disable_by_batch_size: int | None, leaf_width: int = 0,
+                 ranked: bool = False) -> None:  # fmt: skip
+        super().__init__(k_max, disable_by_batch_size, None, leaf_width=leaf_width, ranked=ranked)
+
+    def depths(self, seqs: list[Sequence], batch_size: int) -> list[int]:
+        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
+            return [0] * len(seqs)
+        return [max(0, min(self.k_max, _remaining_tokens(seq) - 1)) for seq in seqs]
+
+    def verified_rows(self, values: list[float], batch_size: int) -> int:
+        return len(values)
+
+    def leaf_widths(self, seqs: list[Sequence], ks: list[int], batch_size: int) -> list[int]:
+        return [self.leaf_width if k > 0 and seq.params.greedy else 0 for seq, k in zip(seqs, ks)]
+
+
 def _interpolate(costs: dict[int, float], batch_size: int) -> float:
     """A cost measured at some batch sizes (sorted keys), linear in between; 0 when none."""
     sizes = list(costs)
