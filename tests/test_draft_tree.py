@@ -229,11 +229,9 @@ def test_dynamic_tree_beside_sampled_requests(tiny_llama_gguf, tmp_path):
               for i in range(len(prompts))]  # fmt: skip
     expected = plain.generate(prompts, params, use_tqdm=False)
     llm = _llm(tiny_llama_gguf.path, {"method": "eagle", "model": str(tmp_path / "head"),
-                                      "num_speculative_tokens": 3})  # fmt: skip
+                                      "num_speculative_tokens": 3, "adaptive_depth": False})  # fmt: skip
     # Every decode verifies 3 rows (an untrained head's drafts would soon stop paying, and its
-    # near-uniform confidence would have the policy verify one).
-    llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
-    llm.engine.spec_policy.verified_rows = lambda values, batch_size: len(values)
+    # near-uniform confidence would have the adaptive policy verify one).
     got = llm.generate(prompts, params, use_tqdm=False)
     for i, (a, b) in enumerate(zip(got, expected)):
         if i % 2 == 0:

@@ -9,13 +9,9 @@ import json
 
 import pytest
 import torch
+from spec_sampling import assert_speculation_keeps_distribution, model_continued
 from test_spec_suffix import _requests, _texts
-from test_speculative import (  # noqa: F401 (fixed_speculation_costs: autouse)
-    _assert_same_distribution,
-    _llm,
-    _token_histograms,
-    fixed_speculation_costs,
-)
+from test_speculative import _llm, fixed_speculation_costs  # noqa: F401 (autouse)
 from tiny_models import TinySpec, with_seed, write_hf_dir
 
 from inferd import SamplingParams
@@ -88,21 +84,10 @@ def test_sampling_keeps_the_distribution(tiny_llama_gguf, medusa_dir):
     chi-square test). The prompt ends inside text the heads were trained on, so that some drafts
     are accepted and some are not."""
     params = SamplingParams(temperature=0.8, min_p=0.05, max_tokens=4, ignore_eos=True)
-    off_llm = _llm(tiny_llama_gguf.path, max_num_seqs=256)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    seed = list(range(3, 19))
-    prompt = seed + list(off_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    samples = 1500
-    off = _token_histograms(off_llm, prompt, params, samples)
     spec = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": K}
-    on_llm = _llm(tiny_llama_gguf.path, spec, max_num_seqs=256, kv_cache_memory=8 << 20)
-    on_llm.engine.spec_policy.depths = lambda seqs, batch_size: [K] * len(seqs)
-    on = _token_histograms(on_llm, prompt, params, samples)
-    stats = on_llm.engine.get_stats()
+    stats = assert_speculation_keeps_distribution(tiny_llama_gguf.path, spec, params,
+                                                  model_continued(tiny_llama_gguf.path, 24))  # fmt: skip
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
-    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
-        _assert_same_distribution(off[pos], on[pos], pos)
-    on_llm.engine.check_no_leaks()
 
 
 def test_heads_for_another_target_are_refused(tiny_llama_gguf, medusa_dir, tmp_path):

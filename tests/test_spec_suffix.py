@@ -5,17 +5,16 @@ between tenants; tiny random models."""
 
 from __future__ import annotations
 
-import collections
 import random
 
 import pytest
-import torch
-from test_speculative import _llm, _token_histograms, fixed_speculation_costs  # noqa: F401 (autouse)
+from spec_sampling import assert_speculation_keeps_distribution, model_continued
+from test_speculative import _llm, fixed_speculation_costs  # noqa: F401 (autouse)
 
 from inferd import SamplingParams
 from inferd.config import SpeculativeConfig
-from inferd.spec.suffix import SuffixProposer, draft_from
 from inferd.spec import suffix_cache
+from inferd.spec.suffix import SuffixProposer, draft_from
 from inferd.spec.suffix_cache import SuffixCache
 from inferd.structured import StructuredOutputsParams
 
@@ -184,10 +183,9 @@ def test_tenants_never_draft_from_each_others_text(tiny_llama_gguf):
     """A salted request drafts exactly what it drafts on an engine that never saw another salt's
     requests, though those wrote its very answer; under its own salt the answer is drafted."""
     prompt = [11, 23, 5, 67, 8, 90, 12, 34, 41, 2, 9, 77, 31]
-    seen = _llm(tiny_llama_gguf.path, SUFFIX)
-    fresh = _llm(tiny_llama_gguf.path, SUFFIX)
-    for llm in (seen, fresh):  # drafts at every step, k = 8 (the depth policy left out)
-        llm.engine.spec_policy.depths = lambda seqs, batch_size: [8] * len(seqs)
+    fixed = {**SUFFIX, "adaptive_depth": False}  # drafts at every step, k = 8
+    seen = _llm(tiny_llama_gguf.path, fixed)
+    fresh = _llm(tiny_llama_gguf.path, fixed)
     first = _drafts(seen, prompt, "tenant-a")
     again = _drafts(seen, prompt, "tenant-a")
     assert sum(map(len, again)) > sum(map(len, first)) + 16  # its own earlier answer
@@ -203,38 +201,10 @@ def test_sampling_keeps_the_distribution(tiny_llama_gguf):
     speculation off."""
     params = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.2, max_tokens=4, ignore_eos=True)  # fmt: skip
-    off_llm = _llm(tiny_llama_gguf.path, max_num_seqs=256)
-    # The model's own greedy text (a random model soon repeats itself): the drafts are what the
-    # model is likely to say next, so some are accepted and some are not.
-    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    seed = list(range(3, 19))
-    prompt = seed + list(off_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    samples = 1000
-    off = _token_histograms(off_llm, prompt, params, samples)
-    on_llm = _llm(tiny_llama_gguf.path, {"method": "suffix", "num_speculative_tokens": 3},
-                  max_num_seqs=256, kv_cache_memory=8 << 20)  # fmt: skip
-    on_llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
-    on = _token_histograms(on_llm, prompt, params, samples)
-    stats = on_llm.engine.get_stats()
+    spec = {"method": "suffix", "num_speculative_tokens": 3}
+    stats = assert_speculation_keeps_distribution(tiny_llama_gguf.path, spec, params,
+                                                  model_continued(tiny_llama_gguf.path, 64))  # fmt: skip
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
-    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
-        assert _same_distribution_p(off[pos], on[pos], samples) > 1e-3, (pos, off[pos], on[pos])
-    on_llm.engine.check_no_leaks()
-
-
-def _same_distribution_p(a: collections.Counter, b: collections.Counter, n: int) -> float:
-    """The p-value of a chi-square test that two samples of n tokens each come from one
-    distribution (tokens seen fewer than 10 times in both together pooled into one cell). A
-    total-variation bound is no test here: at temperature 0.8 a position's distribution is
-    broad enough that two samples of the same one differ by ~0.08."""
-    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
-    cells = [(a[t], b[t]) for t in common]
-    rest = (n - sum(x for x, _ in cells), n - sum(y for _, y in cells))
-    if sum(rest):
-        cells.append(rest)
-    chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells)  # two samples of the same size
-    df = len(cells) - 1
-    return torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(chi2 / 2)).item() if df else 1.0
 
 
 @pytest.mark.parametrize("value, message", [

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from spec_sampling import SEED_PROMPT, assert_speculation_keeps_distribution, model_continued
 from tiny_models import TinySpec, with_seed, write_gguf
 
 from inferd import LLM, SamplingParams
@@ -247,51 +248,15 @@ def test_rejection_sampling_first_token_follows_target(drafts_from_q):
     assert 0.5 * (q[0] - p[0]).abs().sum().item() > 0.15
 
 
-def _token_histograms(llm: LLM, prompt: list[int], params: SamplingParams, samples: int):
-    outs = llm.generate([{"prompt_token_ids": prompt}] * samples, params, use_tqdm=False)
-    hist = [collections.Counter() for _ in range(params.max_tokens)]
-    for out in outs:
-        for pos, t in enumerate(out.outputs[0].token_ids):
-            hist[pos][t] += 1
-    return hist
-
-
-def _assert_same_distribution(a: collections.Counter, b: collections.Counter, pos: int) -> None:
-    """Chi-square test of homogeneity between two equal-sized samples of tokens: fails when the
-    two are this unlikely (p < 1e-4) to come from one distribution. Tokens seen fewer than 10
-    times in both samples together are pooled, so every cell the statistic uses is well filled.
-    (A fixed bound on the total-variation distance is not a test: its noise grows with the number
-    of tokens the model spreads over.)"""
-    cells, rare_a, rare_b = [], 0, 0
-    for t in set(a) | set(b):
-        if a[t] + b[t] >= 10:
-            cells.append((a[t], b[t]))
-        else:
-            rare_a, rare_b = rare_a + a[t], rare_b + b[t]
-    if rare_a + rare_b:
-        cells.append((rare_a, rare_b))
-    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
-    dof = len(cells) - 1
-    p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)).item() if dof else 1.0  # fmt: skip
-    assert p_value > 1e-4, (pos, stat, dof, p_value, a.most_common(8), b.most_common(8))
-
-
 def test_sampling_distribution_unchanged_end_to_end(tiny_llama_gguf, near_draft_gguf):
-    """Token frequencies at every output position match with and without speculation
-    (total-variation distance within sampling noise) at temperature 1 with top-k 40 / top-p 0.95,
-    with a draft that is accepted often but not always."""
+    """Token frequencies at every output position match with and without speculation at
+    temperature 1 with top-k 40 / top-p 0.95, with a draft that is accepted often but not always
+    and the depth the policy chooses."""
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_tokens=4, ignore_eos=True)
-    prompt = list(range(3, 19))
-    samples = 1500
-    off = _token_histograms(_llm(tiny_llama_gguf.path, max_num_seqs=256), prompt, params, samples)
-    on_llm = _llm(tiny_llama_gguf.path, {"method": "draft_model", "model": str(near_draft_gguf.path)},
-                  max_num_seqs=256, kv_cache_memory=8 << 20)  # fmt: skip
-    on = _token_histograms(on_llm, prompt, params, samples)
-    stats = on_llm.engine.get_stats()
+    spec = {"method": "draft_model", "model": str(near_draft_gguf.path)}
+    stats = assert_speculation_keeps_distribution(tiny_llama_gguf.path, spec, params, SEED_PROMPT,
+                                                  fixed_depth=False)  # fmt: skip
     assert 0.1 * stats.spec_draft_tokens < stats.spec_accepted_tokens < 0.9 * stats.spec_draft_tokens, stats
-    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
-        _assert_same_distribution(off[pos], on[pos], pos)
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
@@ -303,33 +268,18 @@ def test_sampling_keeps_the_distribution_with_penalties_and_min_p(tiny_llama_ggu
     params = SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.2, frequency_penalty=0.1, max_tokens=4,
                             ignore_eos=True)  # fmt: skip
-    off_llm = _llm(tiny_llama_gguf.path, max_num_seqs=256)
-    # The model's own greedy text (a random model soon repeats itself): lookup drafts what the
-    # model is likely to say next, so some drafts are accepted and some are not.
-    greedy = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
-    seed = list(range(3, 19))
-    prompt = seed + list(off_llm.generate([seed], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    samples = 1500
-    off = _token_histograms(off_llm, prompt, params, samples)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     if method == "eagle":
         from inferd.spec.eagle_head import EagleHead
 
         torch.manual_seed(0)
-        EagleHead.for_target(off_llm.engine.runner.model).save(tmp_path / "head")
+        EagleHead.for_target(_llm(tiny_llama_gguf.path).engine.runner.model).save(tmp_path / "head")
         spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
-    on_llm = _llm(tiny_llama_gguf.path, spec, max_num_seqs=256, kv_cache_memory=8 << 20)
-    # Drafts on every step (a random model's drafts rarely pay): losslessness is what is tested.
-    on_llm.engine.spec_policy.depths = lambda seqs, batch_size: [3] * len(seqs)
-    on = _token_histograms(on_llm, prompt, params, samples)
-    stats = on_llm.engine.get_stats()
+    prompt = model_continued(tiny_llama_gguf.path, 160)
+    stats = assert_speculation_keeps_distribution(tiny_llama_gguf.path, spec, params, prompt)
     assert stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
     assert stats.spec_accepted_tokens > 0 or method == "eagle", stats
-    for pos in range(1, params.max_tokens):  # position 0 comes from the prefill, never verified
-        _assert_same_distribution(off[pos], on[pos], pos)
 
-
-# ---- pieces ----------------------------------------------------------------------------------
 
 def test_ngram_lookup_prefers_longest_latest_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, 1, 3) == [7, 5, 2]  # "2 3" latest
