@@ -145,7 +145,7 @@ def prepare(
     )
 
 
-def pad_batch(seqs: list[torch.Tensor], fill: float | int = 0) -> torch.Tensor:
+def pad_batch(seqs: list[torch.Tensor], fill: float = 0) -> torch.Tensor:
     """[B, T_max, ...] from tensors [T_i, ...], padded with `fill`."""
     longest = max(len(s) for s in seqs)
     out = seqs[0].new_full((len(seqs), longest, *seqs[0].shape[1:]), fill)

@@ -40,6 +40,7 @@ from inferd.models import build_model
 from inferd.spec import draft_vocab
 from inferd.spec.eagle_head import EagleHead
 from inferd.spec.eagle_io import CONFIG_FILE, WEIGHTS_FILE, check_feature_layers
+from inferd.train.data_args import add_data_args, parse_with_threads
 from inferd.train.draft_vocab import rank_tokens
 from inferd.train.eagle_data import (
     EVAL_QUESTIONS,
@@ -389,20 +390,7 @@ def _parse_layers(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> None:
     r, t = EagleRecipe(), TrainOptions()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
-    p.add_argument(
-        "--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/eagle/<model>)"
-    )
-    p.add_argument("--quantization", default=r.quantization)
-    p.add_argument("--num-prompts", type=int, default=r.num_prompts, help="template instructions")
-    p.add_argument(
-        "--num-questions",
-        type=int,
-        default=r.num_questions,
-        help="free-form questions the target writes itself (self-instruct)",
-    )
-    p.add_argument("--eval-prompts", type=int, default=r.eval_prompts)
-    p.add_argument("--max-tokens", type=int, default=r.max_tokens)
+    add_data_args(p, r, "eagle")
     p.add_argument("--sample-fraction", type=float, default=r.sample_fraction)
     p.add_argument("--sample-temperature", type=float, default=r.sample_temperature)
     p.add_argument("--intermediate-size", type=int, default=r.intermediate_size)
@@ -457,19 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         default=t.seed,
         help="the training's seed (initial weights, batch order, noise); the data cache stays",
     )
-    p.add_argument(
-        "--data-seed",
-        type=int,
-        default=r.data_seed,
-        help="the generated data's seed (instructions, sampled answers, questions): new data",
-    )
-    p.add_argument(
-        "--no-data-cache", action="store_true", help="generate the data afresh and do not keep it"
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_with_threads(p, argv)
     opts = TrainOptions(
         epochs=a.epochs,
         batch_size=a.batch_size,

@@ -38,6 +38,7 @@ from inferd.models import build_model
 from inferd.spec import draft_vocab
 from inferd.spec.eagle_io import CONFIG_FILE, WEIGHTS_FILE
 from inferd.spec.medusa_head import MedusaHead
+from inferd.train.data_args import add_data_args, parse_with_threads
 from inferd.train.draft_vocab import rank_tokens
 from inferd.train.eagle_train_core import (
     PRECISIONS,
@@ -243,16 +244,7 @@ def train_medusa(recipe: MedusaRecipe) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     r, t = MedusaRecipe(), MedusaOptions()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
-    p.add_argument(
-        "--out", default=None, help="output directory (default: $INFERD_CACHE_DIR/medusa/<model>)"
-    )
-    p.add_argument("--quantization", default=r.quantization)
-    p.add_argument("--num-prompts", type=int, default=r.num_prompts, help="template instructions")
-    p.add_argument("--num-questions", type=int, default=r.num_questions,
-                   help="free-form questions the target writes itself (self-instruct)")  # fmt: skip
-    p.add_argument("--eval-prompts", type=int, default=r.eval_prompts)
-    p.add_argument("--max-tokens", type=int, default=r.max_tokens)
+    add_data_args(p, r, "medusa")
     p.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
                    help="the tokens the heads score (0: the whole vocabulary)")  # fmt: skip
     p.add_argument("--num-heads", type=int, default=t.num_heads)
@@ -262,14 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--precision", default=t.precision, choices=PRECISIONS)
     p.add_argument("--seed", type=int, default=t.seed, help="the training's seed")
-    p.add_argument("--data-seed", type=int, default=r.data_seed, help="the generated data's seed")
-    p.add_argument(
-        "--no-data-cache", action="store_true", help="generate the data afresh and do not keep it"
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_with_threads(p, argv)
     opts = MedusaOptions(num_heads=a.num_heads, epochs=a.epochs, max_steps=a.max_steps,
                          batch_rows=a.batch_rows, lr=a.lr, precision=a.precision, seed=a.seed)  # fmt: skip
     recipe = MedusaRecipe(model=a.model, out=a.out, quantization=a.quantization,
