@@ -50,6 +50,19 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
     return model_class(cfg.architecture).spec_for(cfg)
 
 
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Uninitialised storage on `device` for every meta parameter and buffer, floating ones in
+    `dtype`: what `to_empty(device).to(dtype)` gives, without its path through torch's meta
+    decompositions (which imports sympy, about a second of every engine's start)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                empty = torch.empty(t.shape, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                table[name] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+
+
 def build_model(
     cfg: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -65,7 +78,7 @@ def build_model(
     with torch.device("meta"):
         model = cls(cfg)
     # Cast before loading: quantized layers swapped in by load_weights keep their packed dtypes.
-    model = model.to_empty(device=device).to(dtype=dtype)
+    _materialize(model, device, dtype)
     model.load_weights(weights, quantization, quantization_group_size)
     model = model.eval()
     model.set_rotary(max_positions, weights.get("rope_freq_factors"), device)
