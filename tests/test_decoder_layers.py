@@ -96,7 +96,8 @@ def test_fp32_decode_of_many_sequences_stays_fused(tiny_models, monkeypatch):
     assert fused_rows and max(fused_rows) > 64
 
 
-def _generate_adapted(path, adapters: dict, quantization: str, fused: bool, monkeypatch) -> tuple[list, list]:
+def _generate_adapted(path, adapters: dict, quantization: str, fused: bool,
+                      monkeypatch) -> tuple[list, list]:  # fmt: skip
     """Greedy outputs (tokens and top-2 logprobs) of every prompt under the base model and each
     adapter in one call (3 slots, the adapters in the first two), and for each fused step
     whether it had adapted rows."""
@@ -129,14 +130,15 @@ def test_adapted_decode_steps_stay_fused_with_the_python_layers_bits(tiny_llama_
     pytest.importorskip("peft")
     from lora_helpers import write_adapter
 
-    base = hf_transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_hf.path), dtype=torch.float32)
+    path = tiny_llama_hf.path
+    base = hf_transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     adapters = {
         "all": write_adapter(base, tmp_path / "all", seed=1, scale=3.0),
         "some": write_adapter(base, tmp_path / "some", seed=2, rank=4, targets=["v_proj", "o_proj", "up_proj"],
                               scale=3.0),
     }  # fmt: skip
-    want, python_steps = _generate_adapted(tiny_llama_hf.path, adapters, quantization, False, monkeypatch)
-    got, fused_steps = _generate_adapted(tiny_llama_hf.path, adapters, quantization, True, monkeypatch)
+    want, python_steps = _generate_adapted(path, adapters, quantization, False, monkeypatch)
+    got, fused_steps = _generate_adapted(path, adapters, quantization, True, monkeypatch)
     assert not python_steps and any(fused_steps)
     assert got == want
     # The adapters move the model: the base rows' outputs differ from theirs.

@@ -140,9 +140,8 @@ class LoRASlots:
         slots [0, used) only, the rest being zero for every row this step."""
         rows = row_slots.view(-1, 1)
         width = self.max_rank * (self.num_slots if used is None else used)
-        self.masks = {
-            p: (col[: p * width].view(1, -1) == rows).float() for p, col in self._column_slot.items()
-        }
+        cols = self._column_slot
+        self.masks = {p: (col[: p * width].view(1, -1) == rows).float() for p, col in cols.items()}
 
     def end_step(self) -> None:
         self.masks = None

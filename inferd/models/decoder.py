@@ -310,7 +310,8 @@ class DecoderForCausalLM(nn.Module):
             none = ext.LinearWeights(0, torch.empty(0), None, None, None, 0)
 
             def lora(l: DecoderLayer) -> list | None:  # the slots of qkv, o, gate_up and down
-                sites = (l.self_attn.qkv_lora, l.self_attn.o_lora, l.mlp.gate_up_lora, l.mlp.down_lora)
+                attn, mlp = l.self_attn, l.mlp
+                sites = (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora)
                 if sites[0] is None:
                     return None
                 return [ext.LoRAWeights(site.a, site.b, site.parts) for site in sites]
