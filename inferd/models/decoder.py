@@ -311,9 +311,9 @@ class DecoderForCausalLM(nn.Module):
 
             def lora(l: DecoderLayer) -> list | None:  # the slots of qkv, o, gate_up and down
                 attn, mlp = l.self_attn, l.mlp
-                sites = (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora)
-                if sites[0] is None:
+                if attn.qkv_lora is None:  # no --enable-lora (a mixture's MLP never has slots)
                     return None
+                sites = (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora)
                 return [ext.LoRAWeights(site.a, site.b, site.parts) for site in sites]
 
             def mlp(l: DecoderLayer) -> dict:
