@@ -1,14 +1,15 @@
 """The fused decode step (csrc/decoder_layers.h: every layer in one C++ call for steps whose rows
 all go to the paged attention kernel) gives the Python layer loop's bits: same tokens, same
-logprobs, whatever the weights' format, biases, activation precision, KV cache dtype or batch
-size."""
+logprobs, whatever the weights' format, biases, activation precision, KV cache dtype, batch
+size or LoRA adapters."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from fused_steps import count_fused_rows
 
-from inferd import LLM, SamplingParams
+from inferd import LLM, LoRARequest, SamplingParams
 from inferd.kernels.quant_gemm import extension
 from inferd.models import decoder
 from inferd.quantization.formats import int8_activations
@@ -93,3 +94,52 @@ def test_fp32_decode_of_many_sequences_stays_fused(tiny_models, monkeypatch):
     got, fused_rows = _generate(path, "none", True, monkeypatch, prompts, spec=False)
     assert got == want
     assert fused_rows and max(fused_rows) > 64
+
+
+def _generate_adapted(path, adapters: dict, quantization: str, fused: bool,
+                      monkeypatch) -> tuple[list, list]:  # fmt: skip
+    """Greedy outputs (tokens and top-2 logprobs) of every prompt under the base model and each
+    adapter in one call (3 slots, the adapters in the first two), and for each fused step
+    whether it had adapted rows."""
+    monkeypatch.setattr(decoder, "FUSED_DECODE", fused)
+    adapted_steps: list[bool] = []
+    real = decoder.DecoderForCausalLM._decode_layers
+
+    def counted(self, ext, x, *args):
+        adapted_steps.append(bool(self.lora_masks()))
+        return real(self, ext, x, *args)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_decode_layers", counted)
+    llm = LLM(str(path), quantization=quantization, verbose=False, kv_cache_memory=4 << 20,
+              enable_lora=True, max_loras=3, max_lora_rank=8)  # fmt: skip
+    prompts, loras = [], []
+    for prompt in PROMPTS:
+        for i, name in enumerate([None, *adapters]):
+            prompts.append(prompt)
+            loras.append(None if name is None else LoRARequest(name, i, str(adapters[name])))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], adapted_steps[:]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_adapted_decode_steps_stay_fused_with_the_python_layers_bits(tiny_llama_hf, hf_transformers, tmp_path,
+                                                                     monkeypatch, quantization):  # fmt: skip
+    """Decode steps mixing two adapters' rows with the base model's run fused, each linear adding
+    its LoRA delta (adapted_linear) over the slots the step uses, with the Python layers' bits."""
+    pytest.importorskip("peft")
+    from lora_helpers import write_adapter
+
+    path = tiny_llama_hf.path
+    base = hf_transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    adapters = {
+        "all": write_adapter(base, tmp_path / "all", seed=1, scale=3.0),
+        "some": write_adapter(base, tmp_path / "some", seed=2, rank=4, targets=["v_proj", "o_proj", "up_proj"],
+                              scale=3.0),
+    }  # fmt: skip
+    want, python_steps = _generate_adapted(path, adapters, quantization, False, monkeypatch)
+    got, fused_steps = _generate_adapted(path, adapters, quantization, True, monkeypatch)
+    assert not python_steps and any(fused_steps)
+    assert got == want
+    # The adapters move the model: the base rows' outputs differ from theirs.
+    assert want[0][0] != want[1][0] and want[0][0] != want[2][0]

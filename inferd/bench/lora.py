@@ -2,8 +2,7 @@
 against the same requests on the base model without LoRA, in one run, engines interleaved.
 
 The adapters are random (every target module, rank `--lora-rank`), written in PEFT's format to a
-temporary directory: what is measured is the cost of the batched delta and of the Python layer
-path adapted steps take (the fused C++ decode step has no LoRA delta), not what they learnt.
+temporary directory: what is measured is the cost of the batched delta, not what they learnt.
 """
 
 from __future__ import annotations

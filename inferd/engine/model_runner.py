@@ -514,7 +514,7 @@ class ModelRunner:
             self.kv_cache.copy_slots(*map(self.as_tensor, batch.scratch_copies))
         lora = self.model.lora_slots if plan.lora_slots is not None else None
         if lora is not None:
-            lora.begin_step(self.as_tensor(plan.lora_slots))
+            lora.begin_step(self.as_tensor(plan.lora_slots), max(plan.lora_slots) + 1)
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         finally:

@@ -55,7 +55,7 @@ class LoRAManager:
         self.model_config = model_config
         self.max_loras = config.max_loras
         self.slots = LoRASlots(model, model_config, config.max_loras, config.max_lora_rank, device)
-        model.lora_slots = self.slots
+        model.set_lora(self.slots)
         self._paths: dict[str, str] = {}  # registered name → adapter directory
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # loaded, least recent first
         for name, path in config.modules.items():

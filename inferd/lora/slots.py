@@ -12,7 +12,10 @@ model), and every site then adds, for all rows at once,
 
 — the gather-by-row of Punica's BGMV written as two dense matmuls and a mask: a base row's mask
 is all zero, so its delta is exactly zero, and a row's delta reads its own slot only. The delta is
-fp32 on the activation whatever the base linear is (dense, packed quantized, bf16 on CUDA).
+fp32 on the activation whatever the base linear is (dense, packed quantized, bf16 on CUDA). A
+step runs it over the columns of slots [0, last slot of its rows] only (A's first columns, B's
+first rows): the columns beyond would be zero. The fused C++ decode step (csrc/decoder_layers.h)
+adds the same delta with the same ops from the same masks.
 
 `begin_step(slots)` / `end_step()` bracket the forward that runs them (ModelRunner.run); between
 steps no site adds anything. Slots are reused least recently used first (`assign`).
@@ -44,14 +47,17 @@ class LoRASite:
         self.slots = slots
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        mask = self.slots.masks
-        if mask is None:  # no adapted row this step
+        masks = self.slots.masks
+        if masks is None:  # no adapted row this step
             return y
+        mask = masks[self.parts]  # [T, C]: the columns of the slots up to the step's last
+        cols = mask.shape[1]
         xf = x if x.dtype == torch.float32 else x.float()
-        u = (xf @ self.a).mul_(mask[self.parts])  # [T, S·P·R]
+        # (csrc/decoder_layers.h adapted_linear runs these ops in this order: the same bits)
+        u = (xf @ self.a[:, :cols]).mul_(mask)
         if y.dtype == torch.float32:
-            return torch.addmm(y, u, self.b)
-        return y + (u @ self.b).to(y.dtype)
+            return torch.addmm(y, u, self.b[:cols])
+        return y + (u @ self.b[:cols]).to(y.dtype)
 
     def write(self, slot: int, parts: list, rank: int) -> None:
         """Slot `slot` holds `parts` [(part index, LoRAPart)] (none: zero)."""
@@ -128,10 +134,14 @@ class LoRASlots:
             self._lru.move_to_end(adapter.slot, last=False)
         adapter.slot = -1
 
-    def begin_step(self, row_slots: torch.Tensor) -> None:
-        """The step's slot per token row [T] (-1: base model): every site adds its delta."""
+    def begin_step(self, row_slots: torch.Tensor, used: int | None = None) -> None:
+        """The step's slot per token row [T] (-1: base model): every site adds its delta. `used`
+        (one past the highest slot of a row; default all): the delta runs over the columns of
+        slots [0, used) only, the rest being zero for every row this step."""
         rows = row_slots.view(-1, 1)
-        self.masks = {p: (col.view(1, -1) == rows).float() for p, col in self._column_slot.items()}
+        width = self.max_rank * (self.num_slots if used is None else used)
+        cols = self._column_slot
+        self.masks = {p: (col[: p * width].view(1, -1) == rows).float() for p, col in cols.items()}
 
     def end_step(self) -> None:
         self.masks = None

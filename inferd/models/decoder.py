@@ -218,8 +218,7 @@ class DecoderForCausalLM(nn.Module):
         self._embed_scale: float | None = spec.embed_scale
         # Whether this model's decode steps may run the fused C++ step (and FUSED_DECODE).
         self.fused_decode = True
-        # With --enable-lora: the adapters' slots; a step with adapted rows runs the Python layer
-        # loop (the fused C++ step has no LoRA delta).
+        # With --enable-lora (set_lora): the adapters' slots, whose delta both layer paths add.
         self.lora_slots: LoRASlots | None = None
         self.requires_grad_(False)
 
@@ -298,8 +297,7 @@ class DecoderForCausalLM(nn.Module):
                 and x.dtype == torch.float32 and x.is_cpu
                 and type(kv_caches[0][0]) in (torch.Tensor, QuantizedKV)
                 and (not self._tiles or formats.int8_activations_default(kg.kernel))
-                and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla
-                and (self.lora_slots is None or self.lora_slots.masks is None))  # fmt: skip
+                and x.shape[0] <= KERNEL_CALL_ROWS and not self.config.is_mla)  # fmt: skip
 
     def _fused_weights(self, ext) -> tuple[list, list]:
         """The layers' weights and specs as decoder_layers takes them (built once)."""
@@ -310,6 +308,13 @@ class DecoderForCausalLM(nn.Module):
                 return None if norm is None else norm.weight
 
             none = ext.LinearWeights(0, torch.empty(0), None, None, None, 0)
+
+            def lora(l: DecoderLayer) -> list | None:  # the slots of qkv, o, gate_up and down
+                attn, mlp = l.self_attn, l.mlp
+                if attn.qkv_lora is None:  # no --enable-lora (a mixture's MLP never has slots)
+                    return None
+                sites = (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora)
+                return [ext.LoRAWeights(site.a, site.b, site.parts) for site in sites]
 
             def mlp(l: DecoderLayer) -> dict:
                 if isinstance(l.mlp, SparseMoE):  # (its MoeWeights: the layer's kernel call's own)
@@ -323,7 +328,7 @@ class DecoderForCausalLM(nn.Module):
                     qkv=linear(l.self_attn.qkv_proj), o=linear(l.self_attn.o_proj),
                     q_norm=weight(l.self_attn.q_norm), k_norm=weight(l.self_attn.k_norm),
                     post_attn_norm=weight(l.post_attn_norm), post_mlp_norm=weight(l.post_mlp_norm),
-                    **mlp(l),
+                    lora=lora(l), **mlp(l),
                 )
                 for l in self.layers
             ]  # fmt: skip
@@ -368,8 +373,19 @@ class DecoderForCausalLM(nn.Module):
             [m.kernel_group.block_tables for m in groups], meta.layer_groups(len(layers)), shape, quant,
             meta.mirror_rows, [m.mirror_slots for m in groups] if meta.mirror_rows is not None else [],
             list(self.capture_layers) if captured is not None else [], captured,
-            self.layers[0].reduce,
+            self.layers[0].reduce, self.lora_masks(),
         )  # fmt: skip
+
+    def lora_masks(self) -> dict[int, torch.Tensor]:
+        """The step's LoRA masks by part count (LoRASlots.masks); empty: no adapted row."""
+        slots = self.lora_slots
+        return {} if slots is None or slots.masks is None else slots.masks
+
+    def set_lora(self, slots: LoRASlots) -> None:
+        """Adapters' slots (--enable-lora, inferd/lora), every layer's linears already holding
+        their sites: steps with adapted rows add their delta, on either layer path."""
+        self.lora_slots = slots
+        self._fused_layers = None  # the fused step's weights take the sites in
 
     def weights_repacked(self) -> None:
         """`pack_quantized_weights` replaced weights: rebuild the fused step's view of them."""

@@ -137,23 +137,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return decoder::moe_forward(x, moe, s);
         }, "a mixture-of-experts MLP over x [T, hidden]: (output, tokens routed to each expert)",
         py::arg("x"), py::arg("moe"), py::arg("int8_activations"), py::call_guard<py::gil_scoped_release>());
+  py::class_<decoder::LoRAWeights>(m, "LoRAWeights", py::module_local())
+      .def(py::init([](torch::Tensor a, torch::Tensor b, int64_t parts) {
+             TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32 && a.dim() == 2 &&
+                             b.dim() == 2 && a.size(1) == b.size(0) && parts >= 1,
+                         "LoRAWeights: fp32 A [in, C] and B [C, out], parts >= 1");
+             return decoder::LoRAWeights{a, b, parts};
+           }),
+           py::arg("a"), py::arg("b"), py::arg("parts"));
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, LinearWeights qkv, LinearWeights o,
                        LinearWeights gate_up, LinearWeights down, c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, c10::optional<torch::Tensor> post_attn_norm,
-                       c10::optional<torch::Tensor> post_mlp_norm, c10::optional<decoder::MoeWeights> moe) {
+                       c10::optional<torch::Tensor> post_mlp_norm, c10::optional<decoder::MoeWeights> moe,
+                       c10::optional<std::vector<decoder::LoRAWeights>> lora) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerWeights: q_norm and k_norm together");
              TORCH_CHECK(post_attn_norm.has_value() == post_mlp_norm.has_value(),
                          "LayerWeights: post_attn_norm and post_mlp_norm together");
-             return LayerWeights{input_norm, post_norm, qkv, o, gate_up, down,
-                                 q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
-                                 post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor()),
-                                 moe.value_or(decoder::MoeWeights{})};
+             TORCH_CHECK(!lora.has_value() || lora->size() == 4, "LayerWeights: LoRA of qkv, o, gate_up and down");
+             LayerWeights w{input_norm, post_norm, qkv, o, gate_up, down,
+                            q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
+                            post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor()),
+                            moe.value_or(decoder::MoeWeights{})};
+             if (lora.has_value()) {
+               w.qkv_lora = (*lora)[0];
+               w.o_lora = (*lora)[1];
+               w.gate_up_lora = (*lora)[2];
+               w.down_lora = (*lora)[3];
+             }
+             return w;
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("post_attn_norm") = py::none(), py::arg("post_mlp_norm") = py::none(),
-           py::arg("moe") = py::none());
+           py::arg("moe") = py::none(), py::arg("lora") = py::none());
   py::class_<decoder::LayerSpec>(m, "DecoderLayerSpec", py::module_local())
       .def(py::init([](int64_t rope, int64_t window, double scale, double softcap, int64_t activation,
                        bool qk_norm_all) {

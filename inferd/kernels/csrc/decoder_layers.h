@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -32,6 +33,31 @@
 #include "paged_attention.h"
 
 namespace decoder {
+// One adapted linear's LoRA slot stacks (inferd/lora/slots.py LoRASite): A [in, S·P·R] and
+// B [S·P·R, out] for S slots of P parts of rank R; `a` undefined where the linear has none.
+struct LoRAWeights {
+  torch::Tensor a, b;
+  int64_t parts = 0;
+};
+
+// A step's LoRA masks by part count (LoRASlots.masks): [T, C], 1 where column c's slot is row t's,
+// C <= S·P·R (the columns up to the last slot the step uses). Empty: no adapted row this step.
+using LoRAMasks = std::map<int64_t, torch::Tensor>;
+
+// `linear`, plus the step's LoRA delta where the linear has adapters and the step adapted rows:
+// y + ((x @ A) * mask_P) @ B over the mask's columns, the ATen ops of LoRASite.add in its order
+// (so the same bits as the Python layer).
+inline torch::Tensor adapted_linear(const LinearWeights& l, const LoRAWeights& lora, const torch::Tensor& x,
+                                    const Shape& s, const LoRAMasks& masks) {
+  torch::Tensor y = linear(l, x, s);
+  if (!lora.a.defined() || masks.empty()) return y;
+  const auto mask = masks.find(lora.parts);
+  TORCH_CHECK(mask != masks.end(), "decode_layers: no LoRA mask for ", lora.parts, " parts");
+  const int64_t cols = mask->second.size(1);
+  const torch::Tensor u = x.matmul(lora.a.narrow(1, 0, cols)).mul_(mask->second);  // [T, C]
+  return torch::addmm(y, u, lora.b.narrow(0, 0, cols));
+}
+
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]: before attention, before the MLP
   LinearWeights qkv, o, gate_up, down;
@@ -40,6 +66,8 @@ struct LayerWeights {
   torch::Tensor q_norm, k_norm, post_attn_norm, post_mlp_norm;
   // A mixture layer's MLP (router undefined: the dense gate_up / down above).
   MoeWeights moe;
+  // With --enable-lora: the adapters' slots at qkv, o, gate_up and down.
+  LoRAWeights qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
 // What the layer's spec varies beyond its weights (inferd/models/spec.py LayerSpec).
@@ -113,7 +141,8 @@ inline void write_quantized(const torch::Tensor& data, const torch::Tensor& scal
 // extra features (EAGLE-3). With `reduce` (tensor-parallel ranks, inferd/distributed), each
 // layer's attention output (after o) and MLP output (after down, or the mixture's sum) are this
 // rank's partial sums: reduce adds them across the ranks, in place, before anything reads them,
-// where the Python layer does (DecoderLayer.reduce).
+// where the Python layer does (DecoderLayer.reduce). `lora_masks`: the step's LoRA masks (empty:
+// no adapted row), each layer's linears adding their delta from them.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<LayerSpec>& specs,
                             const std::vector<torch::Tensor>& k_caches,
@@ -128,7 +157,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
                             const std::vector<torch::Tensor>& mirror_slots,
                             const std::vector<int64_t>& capture,
                             const std::optional<torch::Tensor>& captured,
-                            const std::optional<std::function<torch::Tensor(torch::Tensor)>>& reduce) {
+                            const std::optional<std::function<torch::Tensor(torch::Tensor)>>& reduce,
+                            const LoRAMasks& lora_masks) {
   TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size() && layers.size() == specs.size(),
               "decode_layers: one spec, one K and one V cache per layer");
   TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decode_layers: one sin table per cos table");
@@ -169,7 +199,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
       keep_output_of(i - 1);
     }
     // Attention.forward
-    torch::Tensor qkv = linear(l.qkv, h, s);
+    torch::Tensor qkv = adapted_linear(l.qkv, l.qkv_lora, h, s, lora_masks);
     std::vector<torch::Tensor> parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
     const torch::Tensor& c = cos[spec.rope];
     const torch::Tensor& sn = sin[spec.rope];
@@ -214,7 +244,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
       paged_attn::paged_attention_short(q, k_caches[i], v_caches[i], row_start, q_lens, ctx_lens,
                                         tables, o, spec.scale, spec.window, spec.softcap);
     }
-    torch::Tensor attn = linear(l.o, o.reshape({t, q_size}), s);
+    torch::Tensor attn = adapted_linear(l.o, l.o_lora, o.reshape({t, q_size}), s, lora_masks);
     if (reduce) attn = (*reduce)(attn);
     if (l.post_attn_norm.defined()) attn = layer_ops::rms_norm(attn, l.post_attn_norm, s.eps);
     std::tie(x, h) = layer_ops::add_rms_norm(x, attn, l.post_norm, s.eps);
@@ -222,9 +252,10 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<LayerWeights>& la
     if (l.moe.router.defined()) {
       pending = std::get<0>(moe_forward(h, l.moe, s));
     } else {
-      const torch::Tensor gu = linear(l.gate_up, h, s);
-      pending = linear(l.down, spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
-                                                                       : layer_ops::silu_mul(gu), s);
+      const torch::Tensor gu = adapted_linear(l.gate_up, l.gate_up_lora, h, s, lora_masks);
+      const torch::Tensor act = spec.activation == LayerSpec::kGeluTanh ? layer_ops::gelu_tanh_mul(gu)
+                                                                        : layer_ops::silu_mul(gu);
+      pending = adapted_linear(l.down, l.down_lora, act, s, lora_masks);
     }
     if (reduce) pending = (*reduce)(pending);
     if (l.post_mlp_norm.defined()) pending = layer_ops::rms_norm(pending, l.post_mlp_norm, s.eps);
