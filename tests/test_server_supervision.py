@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -34,7 +35,7 @@ ARGS = [
     "--log-stats-interval", "0",
     "--engine-restart-backoff", "0.2",
     "--max-engine-restarts", "1",
-    "--engine-heartbeat-timeout", "2",
+    "--engine-heartbeat-timeout", "0.5",
     "--max-stream-buffer-tokens", "64",
     "--enable-debug-endpoints",
     "--disable-log-requests",
@@ -129,6 +130,38 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_freed(
     assert "too slowly" in server.log_text()
 
 
+def test_one_long_step_is_busy_not_stalled(server: RemoteServer, http: httpx.Client) -> None:
+    """A ~1,800-token prompt in one step outlasts --engine-heartbeat-timeout 0.5 on every CPU
+    here (a second or more of prefill with no news): the engine is computing, so /health stays
+    200."""
+    words = " ".join(f"w{i % 97}" for i in range(620))  # ~3 tokens a word
+    statuses: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as probe:
+            while not done.is_set():
+                statuses.append(probe.get("/health").status_code)
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        r = http.post("/v1/completions", json={"prompt": words, "max_tokens": 1})
+    finally:
+        done.set()
+        watcher.join()
+    took = time.monotonic() - start
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 1500
+    assert took > 1.0, f"the prompt took {took:.1f} s: no step outlasted the heartbeat"
+    assert statuses and set(statuses) == {200}, statuses
+    assert "busy, not stalled" in server.log_text()
+    assert "no progress" not in server.log_text()
+    assert_no_leaks(http)
+
+
 def test_a_stalled_engine_turns_health_503_until_it_moves_again(
     server: RemoteServer, http: httpx.Client
 ) -> None:
@@ -138,7 +171,7 @@ def test_a_stalled_engine_turns_health_503_until_it_moves_again(
         assert next(line for line in lines if line.startswith("data: {"))
         engine.send_signal(signal.SIGSTOP)
         try:
-            # --engine-heartbeat-timeout 2: within a few seconds of the last step.
+            # --engine-heartbeat-timeout 0.5: within a few seconds of the last step.
             wait_until(lambda: http.get("/health").status_code == 503, 30, "engine_stalled")
             err = assert_error(http.get("/health"), 503)
             assert err["code"] == "engine_stalled" and "no progress" in err["message"]

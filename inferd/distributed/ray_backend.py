@@ -119,6 +119,9 @@ class RayBackend:
     def is_alive(self) -> bool:
         return self._alive
 
+    def cpu_seconds(self) -> float | None:
+        return None  # on another node: the heartbeat goes by the actor's messages alone
+
     def send(self, command: Command) -> None:
         self._outbox.put(command)
 

@@ -107,6 +107,10 @@ class EngineBackend(Protocol):
     @property
     def is_alive(self) -> bool: ...
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the engine has used so far (the heartbeat tells a long step from a stuck
+        engine by it), or None where it cannot be read."""
+
 
 # ---- the engine loop on a thread --------------------------------------------------------------
 
@@ -154,6 +158,16 @@ class ThreadBackend:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def cpu_seconds(self) -> float | None:
+        """The engine thread's CPU time (it takes part in every parallel region of a step)."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not thread.is_alive():
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # not on this platform, or the thread just ended
+            return None
 
     def _take(self, timeout: float | None) -> list[Command] | None:
         with self._cv:
@@ -424,6 +438,10 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._started and self._exited is None and self._backend.is_alive
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the engine has used (see `EngineBackend.cpu_seconds`), or None."""
+        return self._backend.cpu_seconds()
 
     @property
     def dead_reason(self) -> str | None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import cloudpickle
+import psutil
 
 from inferd.engine.core import EngineCore
 from inferd.engine.engine_loop import (
@@ -291,6 +292,22 @@ class ProcessBackend:
     @property
     def is_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
+
+    def cpu_seconds(self) -> float | None:
+        """The engine process's CPU time, its rank processes' included."""
+        if self._process is None or self._process.pid is None:
+            return None
+        try:
+            process = psutil.Process(self._process.pid)
+            total = sum(process.cpu_times()[:2])
+            for child in process.children(recursive=True):
+                try:
+                    total += sum(child.cpu_times()[:2])
+                except psutil.Error:  # a rank that just ended
+                    pass
+        except psutil.Error:
+            return None
+        return total
 
     def _exit_status(self) -> str:
         """' (killed by SIGKILL)', ' (exit code 1)', or '' while it is still exiting."""

@@ -9,8 +9,13 @@ and counts what it did on /metrics.
 
 The heartbeat is the engine's own messages: while a stepping engine has requests in flight it
 sends news after every step, so no message for `heartbeat_timeout_s` with work queued means the
-engine is stuck (a hung kernel, a stopped process). Only /health says so (`engine_stalled`):
-requests still queue, and the engine's news resumes them if it recovers.
+engine is stuck (a hung kernel, a stopped process), unless it is in one long step. A step can
+outlast the timeout honestly (a 2k-token prompt in one chunk on one slow core, a prefill worker's
+whole job), so past the timeout the engine's CPU time decides: an engine that keeps computing
+(at least `_BUSY_CORES` of a core since the last look) is busy, up to `max_step_s`; one that
+does not (stopped, deadlocked, waiting on a peer that is gone) is stuck. Only /health says so
+(`engine_stalled`): requests still queue, and the engine's news resumes them if it recovers.
+Where the engine's CPU time cannot be read (a Ray actor), the timeout alone decides.
 """
 
 from __future__ import annotations
@@ -30,16 +35,19 @@ from inferd.server.errors import APIError
 
 logger = logging.getLogger("inferd.server")
 
+_BUSY_CORES = 0.25  # CPU time per second of wall time that counts as an engine computing
+
 
 @dataclass(frozen=True, slots=True)
 class SupervisionConfig:
     restart_backoff_s: float = 1.0  # before the first restart; doubles for each one after
     max_restarts: int = 5  # over the server's lifetime; 0: a dead engine stays dead
     heartbeat_timeout_s: float = 30.0  # 0: no heartbeat
+    max_step_s: float = 300.0  # a step that computes longer than this is stalled all the same
     max_stream_buffer_tokens: int = 8192  # 0: unbounded
 
     def __post_init__(self) -> None:
-        for name in ("restart_backoff_s", "max_restarts", "heartbeat_timeout_s",
+        for name in ("restart_backoff_s", "max_restarts", "heartbeat_timeout_s", "max_step_s",
                      "max_stream_buffer_tokens"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -55,7 +63,11 @@ def add_supervision_args(g: argparse._ArgumentGroup) -> None:
                    "for each restart after it")  # fmt: skip
     g.add_argument("--engine-heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
                    help="seconds without engine progress, with requests in flight, after which "
-                   "/health answers 503 engine_stalled (0: off)")  # fmt: skip
+                   "/health answers 503 engine_stalled, unless the engine is computing one "
+                   "long step (0: off)")  # fmt: skip
+    g.add_argument("--engine-max-step-seconds", type=float, default=d.max_step_s,
+                   help="seconds one step may compute without news before /health answers 503 "
+                   "engine_stalled all the same (a long prompt on a slow CPU is one such step)")  # fmt: skip
     g.add_argument("--max-stream-buffer-tokens", type=int, default=d.max_stream_buffer_tokens,
                    help="tokens a streamed request may hold for a client that reads too slowly; "
                    "past it the client is disconnected and its request aborted (0: unbounded)")  # fmt: skip
@@ -69,6 +81,7 @@ def supervision_config(args: argparse.Namespace) -> SupervisionConfig:
         restart_backoff_s=args.engine_restart_backoff,
         max_restarts=args.max_engine_restarts,
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        max_step_s=args.engine_max_step_seconds,
         max_stream_buffer_tokens=args.max_stream_buffer_tokens,
     )
 
@@ -196,18 +209,38 @@ class EngineSupervisor:
         period = min(1.0, timeout / 4)
         engine = self.engine
         seen, since = engine.num_messages, time.monotonic()  # last news, and when it came
+        cpu, looked = engine.cpu_seconds(), since  # the engine's CPU time at the last look
+        busy_logged = False
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            cpu_was, cpu = cpu, engine.cpu_seconds()
+            computing = (cpu is not None and cpu_was is not None
+                         and cpu - cpu_was >= _BUSY_CORES * (now - looked))  # fmt: skip
+            looked = now
             if engine.num_messages != seen or not engine.has_work or not engine.ready:
                 seen, since = engine.num_messages, now
+                busy_logged = False
                 if self.stalled_since is not None:
                     logger.warning("%sthe engine is making progress again", self._log)
                     self.stalled_since = None
-            elif self.stalled_since is None and now - since > timeout:
-                self.stalled_since = now
+                continue
+            quiet = now - since
+            if quiet <= timeout:
+                continue
+            if computing and quiet <= self.config.max_step_s:
+                if not busy_logged:
+                    busy_logged = True
+                    logger.info("%sone step has computed for %.0f s with no news yet: busy, not "
+                                "stalled", self._log, quiet)  # fmt: skip
+                if self.stalled_since is not None:
+                    logger.warning("%sthe engine is computing again", self._log)
+                    self.stalled_since = None
+            elif self.stalled_since is None:
+                self.stalled_since = now - (quiet - timeout)
                 logger.error("%sthe engine has made no progress for %.0f s with requests in "
-                             "flight", self._log, now - since)  # fmt: skip
+                             "flight%s", self._log, quiet,
+                             " (one step past --engine-max-step-seconds)" if computing else "")  # fmt: skip
 
     # ---- counters -------------------------------------------------------------------------
     def _on_overflow(self, stream: RequestStream) -> None:
