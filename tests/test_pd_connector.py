@@ -175,3 +175,26 @@ def test_bad_options_are_refused(tiny_llama_hf) -> None:
         _engine(str(tiny_llama_hf.path), "kv_consumer", pull_timeout=1)
     with pytest.raises(ValueError, match="'nixl' package"):
         _engine(str(tiny_llama_hf.path), "kv_consumer", kv_transport="nixl")
+
+
+def test_a_sliding_window_model_goes_through_pd_in_one_kv_group(tmp_path) -> None:
+    """Gemma 3 (windowed and global layers: several KV groups where no connector is set) keeps one
+    group on both PD sides, as --disable-hybrid-kv-cache-manager would, and its decode side
+    continues the prefill exactly as one engine does."""
+    from tiny_families import write_family
+
+    path = str(write_family("gemma3", tmp_path).hf_dir)
+    alone = _engine(path, None)
+    pd = {"prefill": _engine(path, "kv_producer"), "decode": _engine(path, "kv_consumer")}
+    try:
+        assert alone.kv_block_layout.num_groups > 1
+        assert pd["prefill"].kv_block_layout.num_groups == pd["decode"].kv_block_layout.num_groups == 1
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        want = _run(alone, "r", PROMPT, params)["tokens"]
+        computed = pd["decode"].scheduler.num_prompt_tokens_computed
+        assert _pd(pd, "r", PROMPT, params)["tokens"] == want
+        assert pd["decode"].scheduler.num_prompt_tokens_computed == computed
+        _settle(pd["prefill"], pd["decode"])
+    finally:
+        for core in (alone, *pd.values()):
+            core.close()

@@ -136,8 +136,11 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    return [args.model, "--max-model-len", str(args.long_prompt_tokens + 256), "--kv-cache-memory",
-            args.kv_cache_memory, "--log-stats-interval", "0", "--max-num-seqs", str(args.streams + 4)]  # fmt: skip
+    engine = [args.model, "--max-model-len", str(args.long_prompt_tokens + 256), "--kv-cache-memory",
+              args.kv_cache_memory, "--log-stats-interval", "0", "--max-num-seqs", str(args.streams + 4)]  # fmt: skip
+    if args.long_prefill_token_threshold:
+        engine += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    return engine
 
 
 def run_pd(args: argparse.Namespace) -> dict:
@@ -213,6 +216,9 @@ def add_pd_parser(sub) -> None:
     p.add_argument("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each setup runs")
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="passed to every server: the largest chunk of one prompt per step, so short "
+                   "prompts are not queued behind a long one's single step (default: the servers')")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default="/tmp/inferd-bench-pd", help="the servers' logs")
     p.set_defaults(func=run_pd)

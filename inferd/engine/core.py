@@ -36,7 +36,7 @@ from inferd.engine.outputs import RequestMetrics, RequestOutput, SequenceDelta
 from inferd.engine.request import Request, RequestError
 from inferd.engine.stats import EngineStats, StatsLogger
 from inferd.host_to_device import upload
-from inferd.kv.connectors.factory import make_connector
+from inferd.kv.connectors.factory import connector_class, make_connector
 from inferd.kv.connectors.layout import KVBlockLayout, model_fingerprint
 from inferd.kv.kv_cache import describe as describe_kv_cache
 from inferd.kv.kv_cache import kv_bytes_per_token
@@ -108,6 +108,11 @@ class EngineCore:
         kv_cache_dtype = config.cache.kv_cache_dtype
         # KV cache groups: a block holds one group's layers (inferd/kv/kv_groups.py).
         layout = KVLayout.of(model_spec(mcfg), hybrid=not config.cache.disable_hybrid_kv_cache_manager)
+        if layout.num_groups > 1 and not connector_class(config.kv_transfer).supports_kv_groups:
+            logger.warning("%s moves one KV cache group: this sliding-window model keeps every "
+                           "token's KV in its window layers too (as --disable-hybrid-kv-cache-manager)",
+                           config.kv_transfer.connector_name)  # fmt: skip
+            layout = KVLayout.of(model_spec(mcfg), hybrid=False)
         tp = config.parallel.tensor_parallel_size
         if tp > 1 and config.lora.enable_lora:
             raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")

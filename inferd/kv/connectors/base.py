@@ -67,6 +67,9 @@ class KVConnectorBase(abc.ABC):
 
     # True: the prefix cache computes block hashes and reports evicted full blocks (a KV tier).
     wants_evicted_blocks: bool = False
+    # False: it moves one KV cache group only; the engine then keeps a sliding-window model's
+    # KV in one group (as --disable-hybrid-kv-cache-manager) instead of refusing to start.
+    supports_kv_groups: bool = True
 
     def __init__(self, config: KVTransferConfig, layout: KVBlockLayout) -> None:
         self.config = config

@@ -26,9 +26,9 @@ def connector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_connector(config: KVTransferConfig, layout: KVBlockLayout) -> KVConnectorBase:
-    """The connector `config` names (`NullConnector` where it names none); ValueError for an
-    unknown name."""
+def connector_class(config: KVTransferConfig) -> Callable[..., KVConnectorBase]:
+    """What builds the connector `config` names (`NullConnector` where it names none); ValueError
+    for an unknown name."""
     name = config.connector_name or "NullConnector"
     target = _REGISTRY.get(name)
     if target is None:
@@ -36,4 +36,9 @@ def make_connector(config: KVTransferConfig, layout: KVBlockLayout) -> KVConnect
     if isinstance(target, str):
         module, _, cls = target.partition(":")
         target = getattr(importlib.import_module(module), cls)
-    return target(config, layout)
+    return target
+
+
+def make_connector(config: KVTransferConfig, layout: KVBlockLayout) -> KVConnectorBase:
+    """The connector `config` names, built over `layout`."""
+    return connector_class(config)(config, layout)

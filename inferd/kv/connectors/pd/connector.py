@@ -97,6 +97,8 @@ class PDMetadata(KVConnectorMetadata):
 
 
 class PDConnector(KVConnectorBase):
+    supports_kv_groups = False  # a sliding-window model's blocks travel as one group
+
     def __init__(self, config: KVTransferConfig, layout: KVBlockLayout) -> None:
         super().__init__(config, layout)
         if layout is not None and layout.num_groups != 1:
