@@ -98,10 +98,18 @@ def packed_tiles_ext():
     return ext
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+def _kernel_builds() -> list[str]:
+    """The kernel builds worth testing here: this CPU's, and the AVX2-only one where this CPU has
+    AVX-512 (without it the two are the same code)."""
+    from inferd.kernels.build import cpu_flags
+
+    return ["native", "avx2"] if "avx512f" in cpu_flags().split() else ["native"]
+
+
+@pytest.fixture(scope="module", params=_kernel_builds())
 def kernel_build(request):
-    """The CPU kernels as built for this CPU (-march=native) and as the AVX2-only build (the
-    baseline CPUs run): kernel tests hold for both."""
+    """The CPU kernels as built for this CPU (-march=native) and, on an AVX-512 CPU, as the
+    AVX2-only build (what the baseline CPUs run): kernel tests hold for both."""
     from inferd.kernels.quant_gemm import extension, extension_avx2
 
     e = extension() if request.param == "native" else extension_avx2()

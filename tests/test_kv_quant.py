@@ -115,16 +115,11 @@ def test_kernel_matches_sdpa_on_narrow_cache(name, hq, hkv, d, bs, shapes) -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def attention_ext(request):
-    """This CPU's build (AVX-512: the 16-key fast path) and the AVX2-only build (the generic
-    per-key loops, what CPUs without AVX-512 run)."""
-    from inferd.kernels.quant_gemm import extension_avx2
-
-    e = extension() if request.param == "native" else extension_avx2()
-    if e is None:
-        pytest.skip("the C++ kernels cannot be built here")
-    return e
+@pytest.fixture(scope="module")
+def attention_ext(kernel_build):
+    """This CPU's build (AVX-512: the 16-key fast path) and, on an AVX-512 CPU, the AVX2-only
+    build (the generic per-key loops, what CPUs without AVX-512 run)."""
+    return kernel_build
 
 
 @pytest.mark.parametrize("name", list(HALF))

@@ -146,16 +146,12 @@ def test_quantizers_error_is_bounded(fmt: str, bound: float) -> None:
 
 
 # ---- int8 activations (the decode path, as llama.cpp) --------------------------------------------
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def int_ext(request):
-    """The build this CPU runs (AVX512-VNNI `vpdpbusd` where present) and the AVX2-only build
-    (`vpmaddubsw` + `vpmaddwd`, what CPUs without VNNI run): both integer paths are tested here."""
-    from inferd.kernels.quant_gemm import extension_avx2
-
-    e = extension() if request.param == "native" else extension_avx2()
-    if e is None:
-        pytest.skip("quantized CPU kernels unavailable here (no compiler or no AVX2)")
-    return e
+@pytest.fixture(scope="module")
+def int_ext(kernel_build):
+    """The build this CPU runs (AVX512-VNNI `vpdpbusd` where present) and, on an AVX-512 CPU, the
+    AVX2-only build (`vpmaddubsw` + `vpmaddwd`, what CPUs without VNNI run): both integer paths
+    are tested where both exist."""
+    return kernel_build
 
 
 def _int_weights():

@@ -12,7 +12,7 @@ import functools
 from types import ModuleType
 
 from inferd import envs
-from inferd.kernels.build import cpu_vendor, load_extension
+from inferd.kernels.build import cpu_flags, cpu_vendor, load_extension
 
 # How the kernels prefetch the weights a step streams once (csrc/stream_prefetch.h): a property
 # of the CPU's caches. On AMD, fp32 weights read for several rows at once (speculative
@@ -48,7 +48,11 @@ def extension() -> ModuleType | None:
 @functools.cache
 def extension_avx2() -> ModuleType | None:
     """The same kernels built without AVX-512 (the AVX2 `maddubs` integer path): what a CPU
-    without AVX512-VNNI runs; the tests check it here too."""
+    without AVX512-VNNI runs; the tests check it here too. On a CPU without AVX-512 that is the
+    native build itself (`-mno-avx512f` changes nothing there), which is returned instead of
+    compiling the same code a second time."""
+    if "avx512f" not in cpu_flags().split():
+        return extension()
     return _with_stream_prefetch(
         load_extension("cpu_kernels_avx2", "cpu_kernels.cpp", "the AVX2-only CPU kernels", ("-mno-avx512f",))
     )
