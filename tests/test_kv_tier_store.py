@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,60 @@ def test_output_is_the_same_from_memory_tier_or_recompute(
     assert again.engine.connector.stats()["kv_offload_bytes_read"] > 0
     again.engine.check_no_leaks()
     again.close()
+
+
+def _tier_on_disk(tiny_llama_hf, tmp_path, greedy) -> list[int]:
+    """A tier directory holding PROMPTS[0]'s blocks (written at close); its greedy answer."""
+    llm = _llm(tiny_llama_hf.path, tmp_path)
+    want = _run(llm, PROMPTS[0], greedy)[0]
+    llm.close()
+    return want
+
+
+def test_disk_loads_run_beside_the_step(tiny_llama_hf, tmp_path) -> None:
+    """A prompt whose blocks are on disk waits outside the queue while the loader thread reads
+    them; another request is scheduled in that same step, and both answers are unchanged."""
+    from inferd import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = _tier_on_disk(tiny_llama_hf, tmp_path, greedy)
+    other_want = _run(_llm(tiny_llama_hf.path, tmp_path / "other"), PROMPTS[1], greedy)[0]
+    core = _llm(tiny_llama_hf.path, tmp_path).engine
+    core.add_request("tier", PROMPTS[0], greedy)
+    core.add_request("other", PROMPTS[1], greedy)
+    tokens: dict[str, list[int]] = {"tier": [], "other": []}
+    for d in core.step():
+        tokens[d.request_id] += d.new_token_ids
+    loading = [seq.request_id for seq in core.scheduler.loading.values()]
+    running = [seq.request_id for seq in core.scheduler.running]
+    assert loading == ["tier"] and running == ["other"]
+    while core.has_unfinished_requests():
+        for d in core.step():
+            tokens[d.request_id] += d.new_token_ids
+    assert tokens == {"tier": want, "other": other_want}
+    assert core.pop_finished("tier").metrics.num_cached_tokens == 44
+    assert core.connector.stats()["kv_offload_hits"] >= 44  # more if a preemption recomputes from it
+    core.check_no_leaks()
+    core.close()
+
+
+def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends(tiny_llama_hf, tmp_path) -> None:
+    from inferd import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _tier_on_disk(tiny_llama_hf, tmp_path, greedy)
+    core = _llm(tiny_llama_hf.path, tmp_path).engine
+    core.add_request("tier", PROMPTS[0], greedy)
+    core.step()
+    assert core.scheduler.loading and core.connector.has_pending_sends()
+    core.abort_request("tier")
+    assert core.scheduler.sending  # its blocks are held: the loader may still write them
+    deadline = time.monotonic() + 30
+    while core.has_pending_kv_transfers():
+        assert time.monotonic() < deadline, "blocks still held for a load"
+        core.step()
+    core.check_no_leaks()
+    core.close()
 
 
 def test_corrupt_file_recomputes_that_block(tiny_llama_hf, tmp_path, caplog) -> None:

@@ -65,6 +65,10 @@ __all__ = ["EngineCore", "RequestError"]
 
 logger = logging.getLogger("inferd.engine")
 
+# While nothing runs but KV transfers (a load into blocks a request waits on, a send holding
+# blocks): how often the engine asks the connector whether they are done (seconds).
+KV_POLL_S = 0.005
+
 
 def _warn_without_cpu_kernels(device: torch.device) -> None:
     """A CPU engine whose kernels failed to build runs the PyTorch path: same outputs, ~3x slower
@@ -442,6 +446,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_runnable_requests(self) -> bool:
+        """Requests a step can advance now (not only ones waiting for their KV to load)."""
+        return self.scheduler.num_unfinished > len(self.scheduler.loading)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:

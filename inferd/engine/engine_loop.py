@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferd.engine.core import EngineCore
+from inferd.engine.core import KV_POLL_S, EngineCore
 from inferd.engine.outputs import RequestOutput, SequenceDelta
 from inferd.engine.stats import EngineStats
 from inferd.loader.tokenizer import Tokenizer
@@ -32,9 +32,6 @@ logger = logging.getLogger("inferd.async_engine")
 
 # While a grammar compiles and nothing else runs, look for it this often (seconds).
 _COMPILE_POLL_S = 0.002
-# While blocks wait for a KV send to complete (PD's prefill side) and nothing runs: how often the
-# engine asks the connector whether they may go.
-_KV_POLL_S = 0.005
 # Held news (stream_interval, stream=False requests): a step's metrics wait at most this long.
 _REPORT_EVERY_S = 0.1
 # A step's report carries a snapshot of the engine's stats when a request started or ended in it,
@@ -263,10 +260,10 @@ class EngineLoop:
         """Serve until `take` says stop. `take(timeout)` returns the commands that arrived,
         waiting up to `timeout` seconds for one (None: as long as it takes), or None to stop."""
         while True:
-            if self.core.has_unfinished_requests():
+            if self.core.has_runnable_requests():
                 timeout: float | None = 0.0
-            elif self.core.has_pending_kv_transfers():
-                timeout = _KV_POLL_S  # blocks wait for a KV send to complete
+            elif self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
+                timeout = KV_POLL_S  # blocks wait for a KV load or send to complete
             else:
                 timeout = _COMPILE_POLL_S if self._compiling else None  # idle: sleep
             commands = take(timeout)

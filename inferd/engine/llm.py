@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from typing import Any, Self
 
 from tqdm import tqdm
 
 from inferd.config import EngineConfig
-from inferd.engine.core import EngineCore, RequestError
+from inferd.engine.core import KV_POLL_S, EngineCore, RequestError
 from inferd.engine.llm_replicas import ReplicaPool
 from inferd.engine.outputs import RequestOutput
 from inferd.engine.stats import EngineStats
@@ -221,6 +222,8 @@ def run_prompts(
     bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
     try:
         while engine.has_unfinished_requests():
+            if not engine.has_runnable_requests():
+                time.sleep(KV_POLL_S)  # only KV loads in flight: leave their thread the CPU
             for delta in engine.step():
                 state = engine.requests.get(delta.request_id)
                 if delta.finished and state is not None and state.finished:

@@ -7,14 +7,21 @@ prefix misses memory but hits the tier loads them instead of recomputing them.
   every layer, K and V, scales of an int8/fp8 cache), puts them in the host tier and queues them
   for a writer thread, which writes the files. The queue is bounded: when it is full the write is
   dropped (and counted), never waited for. A block whose file exists is only touched.
-- Load: `get_num_new_matched_tokens` walks the prompt's block hashes past the local hit and reads
-  each block from the host tier, else its file (verified: checksum, layout, hash), stopping at the
-  first miss; only verified blocks count. `update_state_after_alloc` pairs them with the blocks the
-  scheduler allocated; the step's `start_load_kv` scatters them into the pool before its forward
-  (synchronously: load_async is False), and the prefix cache takes them like computed blocks.
+- Load: `get_num_new_matched_tokens` walks the prompt's block hashes past the local hit, stopping
+  at the first block neither the host tier holds nor a file names. When every block found is in
+  host memory the load is synchronous: `update_state_after_alloc` pairs them with the blocks the
+  scheduler allocated and the step's `start_load_kv` scatters them into the pool before its
+  forward. When a file is involved it is asynchronous (load_async True): the request waits outside
+  the queue holding its blocks while a loader thread reads each file (verified: checksum, layout,
+  hash) and scatters it in, so the engine's other requests keep stepping meanwhile; `get_finished`
+  reports it done. A file that fails verification fails the load: the scheduler frees the blocks
+  and admits the request again, and that file no longer counts (the blocks before it load, the
+  rest are computed). The prefix cache takes loaded blocks like computed ones.
 
 Only leaves evicted whole with a block in every KV group are kept (a sliding-window group's blocks
 are often given back before that, so hybrid models keep less). Not with tensor parallelism.
+Loads are whole blocks, every layer at once: on the CPU the forward and a copy share the same
+cores and memory bandwidth, so layer-by-layer overlap would buy little.
 """
 
 from __future__ import annotations
@@ -39,9 +46,19 @@ WRITE_QUEUE_BLOCKS = 1024
 
 
 @dataclass(slots=True)
+class _Load:
+    """An asynchronous load: per block position, its block per group and where its KV is (the
+    host tier's copy, else the block hash to read from its file)."""
+
+    seq_id: int
+    blocks: list[tuple[list[int], BlockKV | int]]
+
+
+@dataclass(slots=True)
 class TierMetadata(KVConnectorMetadata):
     saves: list[tuple[int, list[int]]] = field(default_factory=list)  # (hash, block per group)
     loads: list[tuple[list[int], BlockKV]] = field(default_factory=list)  # (block per group, KV)
+    async_loads: list[_Load] = field(default_factory=list)
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -56,7 +73,17 @@ class OffloadingConnector(KVConnectorBase):
         self.dropped_writes = 0
         self._saves: list[tuple[int, list[int]]] = []
         self._loads: list[tuple[list[int], BlockKV]] = []
-        self._staged: dict[int, list[BlockKV]] = {}  # seq_id → blocks found past its local hit
+        self._async_loads: list[_Load] = []
+        # seq_id → the blocks found past its local hit: the host tier's copy, else the hash of
+        # a file to read
+        self._staged: dict[int, list[BlockKV | int]] = {}
+        # Asynchronous loads (worker side): one loader thread; outcomes wait for get_finished.
+        self._loader: queue.Queue[_Load | None] = queue.Queue()
+        self._loader_thread: threading.Thread | None = None
+        self._in_flight: set[int] = set()
+        self._orphans: set[int] = set()  # finished while loading: freed once the load ends
+        self._outcomes: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._failed: set[int] = set()
         self._queue: queue.Queue[tuple[int, BlockKV] | threading.Event | None] = queue.Queue(
             WRITE_QUEUE_BLOCKS
         )
@@ -71,13 +98,11 @@ class OffloadingConnector(KVConnectorBase):
                         layout.describe())  # fmt: skip
 
     # ---- scheduler side ------------------------------------------------------------------------
-    def _lookup(self, block_hash: int) -> BlockKV | None:
-        key = self.layout.block_key(block_hash)
-        block = self.host.get(key) if self.host is not None else None
-        if block is None and self.disk is not None:
-            block = self.disk.read(block_hash)
-            if block is not None and self.host is not None:
-                self.host.put(key, block)
+    def _read(self, block_hash: int) -> BlockKV | None:
+        """The block's KV from its file (verified), kept in the host tier too; None if unsound."""
+        block = self.disk.read(block_hash) if self.disk is not None else None
+        if block is not None and self.host is not None:
+            self.host.put(self.layout.block_key(block_hash), block)
         return block
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -89,15 +114,19 @@ class OffloadingConnector(KVConnectorBase):
         if first >= last:
             return 0, False
         hashes = chain_hashes(tokens[: last * bs], bs, request.params.cache_salt)
-        found: list[BlockKV] = []
+        found: list[BlockKV | int] = []
         for h in hashes[first:]:
-            block = self._lookup(h)
-            if block is None:
+            key = self.layout.block_key(h)
+            block = self.host.get(key) if self.host is not None else None
+            if block is not None:
+                found.append(block)
+            elif self.disk is not None and self.disk.holds(h):
+                found.append(h)  # read on the loader thread
+            else:
                 break
-            found.append(block)
         if found:
             self._staged[request.seq_id] = found
-        return len(found) * bs, False
+        return len(found) * bs, any(isinstance(b, int) for b in found)
 
     def update_state_after_alloc(
         self, request, blocks: list[list[int]], num_external_tokens: int
@@ -107,19 +136,25 @@ class OffloadingConnector(KVConnectorBase):
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
         assert count <= len(staged), "more external tokens than blocks found"
-        for j in range(count):
-            self._loads.append(([table[first + j] for table in blocks], staged[j]))
+        placed = [([table[first + j] for table in blocks], staged[j]) for j in range(count)]
+        if any(isinstance(kv, int) for _, kv in placed):
+            self._async_loads.append(_Load(request.seq_id, placed))
+            return  # counted as hits once loaded
+        self._loads.extend(placed)  # type: ignore[arg-type]  # every one a BlockKV here
         self.hits_tokens += count * bs
 
     def build_connector_meta(self) -> TierMetadata | None:
-        if not self._saves and not self._loads:
+        if not self._saves and not self._loads and not self._async_loads:
             return None
-        meta = TierMetadata(self._saves, self._loads)
-        self._saves, self._loads = [], []
+        meta = TierMetadata(self._saves, self._loads, self._async_loads)
+        self._saves, self._loads, self._async_loads = [], [], []
         return meta
 
     def request_finished(self, request, block_ids: list[list[int]]) -> tuple[bool, None]:
         self._staged.pop(request.seq_id, None)
+        if request.seq_id in self._in_flight:  # aborted while the loader writes its blocks
+            self._orphans.add(request.seq_id)
+            return True, None
         return False, None
 
     def blocks_evicted(self, evicted: list[tuple[int, list[int]]]) -> None:
@@ -135,6 +170,57 @@ class OffloadingConnector(KVConnectorBase):
             self._load(
                 [b for blocks, _ in meta.loads for b in blocks], [kv for _, kv in meta.loads]
             )
+        for load in meta.async_loads:  # after the saves: their blocks may be among its targets
+            if self._loader_thread is None:
+                self._loader_thread = threading.Thread(
+                    target=self._load_loop, name="inferd-kv-tier-loader", daemon=True
+                )
+                self._loader_thread.start()
+            self._in_flight.add(load.seq_id)
+            self._loader.put(load)
+
+    def _load_loop(self) -> None:
+        """The loader thread: read each load's files, scatter them into the pool, report."""
+        while True:
+            load = self._loader.get()
+            if load is None:
+                return
+            ok = False
+            try:
+                blocks = [kv if isinstance(kv, BlockKV) else self._read(kv) for _, kv in load.blocks]
+                if all(b is not None for b in blocks):
+                    self._load([b for ids, _ in load.blocks for b in ids], blocks)  # type: ignore[arg-type]
+                    ok = True
+            except Exception:
+                logger.exception("KV tier: loading blocks failed; they are computed instead")
+            self._outcomes.put((load.seq_id, ok))
+            if ok:
+                self.hits_tokens += len(load.blocks) * self.layout.block_size
+
+    def get_finished(self, finished_ids) -> tuple[set[int], set[int]]:
+        freed: set[int] = set()
+        loaded: set[int] = set()
+        while True:
+            try:
+                seq_id, ok = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            self._in_flight.discard(seq_id)
+            if seq_id in self._orphans:  # its request is gone: the blocks may go too
+                self._orphans.discard(seq_id)
+                freed.add(seq_id)
+            elif ok:
+                loaded.add(seq_id)
+            else:
+                self._failed.add(seq_id)
+        return freed, loaded
+
+    def get_failed_loads(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def has_pending_sends(self) -> bool:
+        return bool(self._in_flight)
 
     def _save(self, hashes: list[int], block_ids: list[int]) -> None:
         lay, kv = self.layout, self.kv_cache
@@ -205,6 +291,9 @@ class OffloadingConnector(KVConnectorBase):
         done.wait(timeout)
 
     def shutdown(self) -> None:
+        if self._loader_thread is not None and self._loader_thread.is_alive():
+            self._loader.put(None)
+            self._loader_thread.join(30.0)
         if self._writer is not None and self._writer.is_alive():
             try:
                 self._queue.put(None, timeout=30.0)

@@ -108,6 +108,7 @@ class DiskStore:
             ) from None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._unsound: set[str] = set()  # files that failed a read: not offered until rewritten
         self.bytes_written = self.bytes_read = self.evictions = self.rejected = 0
         # name → size, least recently used first (by mtime: the access time this store keeps)
         entries = []
@@ -128,8 +129,14 @@ class DiskStore:
     def __contains__(self, key: str) -> bool:
         return key + _SUFFIX in self._index or os.path.exists(self._path(key))
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether a file names this block and has not failed a read (unverified: `read` checks)."""
+        key = self.layout.block_key(block_hash)
+        return key + _SUFFIX not in self._unsound and key in self
+
     def _warn(self, name: str, why: str) -> None:
         self.rejected += 1
+        self._unsound.add(name)
         if name not in self._warned:
             self._warned.add(name)
             logger.warning(
@@ -145,7 +152,9 @@ class DiskStore:
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed meanwhile (another process sharing the directory)
+            with self._lock:
+                self.nbytes -= self._index.pop(name, 0)
             return None
         except OSError as e:
             self._warn(name, f"cannot be read ({e.strerror})")
@@ -213,7 +222,7 @@ class DiskStore:
         """Store the block (atomically); an existing file is only touched. False: not written."""
         key = self.layout.block_key(block_hash)
         name, path = key + _SUFFIX, self._path(key)
-        if name in self._index and os.path.exists(path):
+        if name in self._index and name not in self._unsound and os.path.exists(path):
             try:
                 os.utime(path)
             except OSError:
@@ -245,6 +254,7 @@ class DiskStore:
                 pass
             return False
         with self._lock:
+            self._unsound.discard(name)
             old = self._index.pop(name, 0)
             self._index[name] = size
             self.nbytes += size - old
