@@ -82,7 +82,8 @@ class OffloadingConnector(KVConnectorBase):
         self._loader_thread: threading.Thread | None = None
         self._in_flight: set[int] = set()
         self._orphans: set[int] = set()  # finished while loading: freed once the load ends
-        self._outcomes: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        # (seq_id, blocks loaded; 0: failed), put by the loader, taken on the engine's thread
+        self._outcomes: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._failed: set[int] = set()
         self._queue: queue.Queue[tuple[int, BlockKV] | threading.Event | None] = queue.Queue(
             WRITE_QUEUE_BLOCKS
@@ -185,32 +186,31 @@ class OffloadingConnector(KVConnectorBase):
             load = self._loader.get()
             if load is None:
                 return
-            ok = False
+            loaded = 0
             try:
                 blocks = [kv if isinstance(kv, BlockKV) else self._read(kv) for _, kv in load.blocks]
                 if all(b is not None for b in blocks):
                     self._load([b for ids, _ in load.blocks for b in ids], blocks)  # type: ignore[arg-type]
-                    ok = True
+                    loaded = len(blocks)
             except Exception:
                 logger.exception("KV tier: loading blocks failed; they are computed instead")
-            self._outcomes.put((load.seq_id, ok))
-            if ok:
-                self.hits_tokens += len(load.blocks) * self.layout.block_size
+            self._outcomes.put((load.seq_id, loaded))
 
     def get_finished(self, finished_ids) -> tuple[set[int], set[int]]:
         freed: set[int] = set()
         loaded: set[int] = set()
         while True:
             try:
-                seq_id, ok = self._outcomes.get_nowait()
+                seq_id, num_blocks = self._outcomes.get_nowait()
             except queue.Empty:
                 break
             self._in_flight.discard(seq_id)
             if seq_id in self._orphans:  # its request is gone: the blocks may go too
                 self._orphans.discard(seq_id)
                 freed.add(seq_id)
-            elif ok:
+            elif num_blocks:
                 loaded.add(seq_id)
+                self.hits_tokens += num_blocks * self.layout.block_size
             else:
                 self._failed.add(seq_id)
         return freed, loaded
