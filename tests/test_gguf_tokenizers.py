@@ -28,7 +28,7 @@ from tiny_tokenizers import (
 from inferd import LLM, SamplingParams
 from inferd.loader import ChatTemplateError, ModelLoadError
 from inferd.loader.gguf_loader import load_gguf_tokenizer
-from inferd.loader.gguf_metadata import read_gguf_metadata
+from inferd.loader.gguf_file import read_gguf_metadata
 
 # The tiny SentencePiece vocabularies are trained with the `sentencepiece` package (a test extra).
 needs_sentencepiece = pytest.mark.skipif(

@@ -114,9 +114,9 @@ def gguf_step_bytes(path: Path) -> tuple[int, int]:
     """Bytes of a GGUF file's tensors one forward pass reads: all of them but an untied token
     embedding, of which a step only looks up rows; a mixture's stacked experts apart (dense,
     experts)."""
-    from gguf import GGUFReader
+    from inferd.loader.gguf_file import read_gguf
 
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    sizes = {t.name: t.n_bytes for t in read_gguf(Path(path)).tensors}
     if "output.weight" in sizes:
         sizes.pop("token_embd.weight", None)
     experts = sum(n for name, n in sizes.items() if "_exps." in name)

@@ -25,7 +25,7 @@ from inferd.loader.gguf_deepseek2 import (
     deepseek2_rope_scaling,
     merge_split_kv_b,
 )
-from inferd.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
+from inferd.loader.gguf_file import GGUFFile, GGUFMetadataError, read_gguf, read_gguf_metadata
 from inferd.loader.gguf_tokenizer import (
     GGUFVocab,
     UnsupportedTokenizerError,
@@ -184,19 +184,16 @@ def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-def _tensor_values(reader: Any, name: str) -> list[float] | None:
+def _tensor_values(reader: GGUFFile, name: str) -> list[float] | None:
     t = next((t for t in reader.tensors if t.name == name), None)
     return None if t is None else [float(v) for v in _dequantize(t).reshape(-1)]
 
 
-def _rope_scaling(reader: Any, arch: str, get: Any, max_positions: int) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, get: Any, max_positions: int) -> dict[str, Any] | None:
     """The HF rope_scaling the file's metadata (and Phi-3's factor tensors) state; an error for a
     type inferd does not compute."""
     kind = get("rope.scaling.type")
@@ -240,7 +237,7 @@ def _layer_types(arch: str, num_layers: int, window: int | None) -> tuple[str, .
     return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers))
 
 
-def model_architecture(reader: Any) -> tuple[str, str]:
+def model_architecture(reader: GGUFFile) -> tuple[str, str]:
     """(llama.cpp's architecture name, inferd's) of a GGUF file."""
     arch = _field(reader, "general.architecture")
     if arch == "llama" and _field(reader, "llama.expert_count"):
@@ -268,7 +265,7 @@ def _moe_config(get: Metadata, arch: str) -> dict[str, Any]:
     }
 
 
-def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None = None) -> ModelConfig:
+def _model_config(reader: GGUFFile, arch: str, n_vocab: int, model_arch: str | None = None) -> ModelConfig:
     """`arch`: llama.cpp's name (the metadata's prefix); `model_arch`: inferd's, where it differs."""
     model_arch = model_arch or arch
     get = _arch_metadata(reader, arch)
@@ -328,7 +325,7 @@ def _model_config(reader: Any, arch: str, n_vocab: int, model_arch: str | None =
     return ModelConfig(**fields)
 
 
-def _arch_metadata(reader: Any, arch: str) -> Metadata:
+def _arch_metadata(reader: GGUFFile, arch: str) -> Metadata:
     """get(key, default=None): the file's `{arch}.{key}` value."""
     return lambda key, default=None: _field(reader, f"{arch}.{key}", default)
 
@@ -428,11 +425,9 @@ def load_gguf(path: Path, show_progress: bool = True, keep_quantized: bool = Fal
 
 def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
                with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors
+        reader = read_gguf(path)
+    except (GGUFMetadataError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from e
     gguf_arch, arch = model_architecture(reader)
     if arch not in _ARCH_TENSORS:
