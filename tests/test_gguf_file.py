@@ -50,3 +50,12 @@ def test_a_damaged_directory_is_an_error(tiny_models, tmp_path) -> None:
         path.write_bytes(data[:pos] + patch + data[pos + len(patch) :])
         with pytest.raises(GGUFMetadataError, match=str(path)):
             read_gguf(path)
+
+
+def test_a_big_endian_file_is_refused_by_name(tmp_path) -> None:
+    path = tmp_path / "be.gguf"
+    path.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
+    with pytest.raises(GGUFMetadataError, match="big-endian"):
+        read_gguf(path)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # the same, little-endian: empty
+    assert (read_gguf(path).metadata, read_gguf(path).tensors) == ({}, [])

@@ -103,6 +103,8 @@ def _header(f: Any, path: Path) -> tuple[int, int]:
         raise GGUFMetadataError(f"{path}: not a GGUF file")
     version, tensors, pairs = struct.unpack_from("<IQQ", head, 4)
     if version not in (2, 3):
+        if version & 0xFFFF == 0:  # a version 2 or 3 written the other way round
+            raise GGUFMetadataError(f"{path}: a big-endian GGUF file (inferd reads little-endian)")
         raise GGUFMetadataError(f"{path}: GGUF version {version} is not supported (2, 3 are)")
     return tensors, pairs
 
