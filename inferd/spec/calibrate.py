@@ -19,6 +19,7 @@ from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.sampling.params import SamplingParams
 from inferd.scheduler.scheduler import SchedulerOutput
 from inferd.scheduler.sequence import Sequence
+from inferd.spec import verify_prices
 
 logger = logging.getLogger("inferd.spec")
 
@@ -55,6 +56,23 @@ def _pairs(
 def measure_verify_cost(
     runner: ModelRunner, kv: KVCacheManager, k: int, max_batch: int, vocab_size: int,
     context: int = 128, repeats: int = 3, leaves: int = 0,
+) -> tuple[dict[int, list[float]], dict[int, float]]:  # fmt: skip
+    """`_measure`'s prices, or those it measured at an earlier start with the same target,
+    weights, KV cache, depth, batch bound, threads, machine and code (inferd.spec.verify_prices),
+    and kept on disk since."""
+    key = verify_prices.price_key(runner, kv, k, leaves, max_batch, context)
+    kept = verify_prices.load(key) if key is not None else None
+    if kept is not None:
+        return kept
+    prices = _measure(runner, kv, k, max_batch, vocab_size, context, repeats, leaves)
+    if key is not None:
+        verify_prices.save(key, prices)
+    return prices
+
+
+def _measure(
+    runner: ModelRunner, kv: KVCacheManager, k: int, max_batch: int, vocab_size: int,
+    context: int, repeats: int, leaves: int,
 ) -> tuple[dict[int, list[float]], dict[int, float]]:  # fmt: skip
     """F per batch size: [F(1), ..., F(k)], for the sizes the KV pool has room for (dummy
     sequences, freed after). Plain and verification steps alternate and the median ratio is kept,
