@@ -52,6 +52,17 @@ def test_a_damaged_directory_is_an_error(tiny_models, tmp_path) -> None:
             read_gguf(path)
 
 
+def test_a_quantized_row_of_partial_blocks_is_an_error(tiny_models, tmp_path) -> None:
+    source = tiny_models["llama-tied-q4_1.gguf"].path
+    data = source.read_bytes()
+    first = next(t for t in gguf.GGUFReader(str(source)).tensors if t.tensor_type.name == "Q4_1")
+    at = _tensor_info_at(data, first.name) + 8 + len(first.name) + 4  # its fastest dimension
+    path = tmp_path / "partial.gguf"
+    path.write_bytes(data[:at] + struct.pack("<Q", int(first.shape[0]) - 1) + data[at + 8 :])
+    with pytest.raises(GGUFMetadataError, match=f"{first.name}'s shape"):
+        read_gguf(path)
+
+
 def test_a_big_endian_file_is_refused_by_name(tmp_path) -> None:
     path = tmp_path / "be.gguf"
     path.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))

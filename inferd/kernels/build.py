@@ -86,6 +86,11 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id")
 
 
+def cpu_model() -> str:
+    """model name: e.g. "AMD EPYC 7B13"; "" where there is none."""
+    return _cpuinfo_field("model name")
+
+
 def _source_text(path: Path) -> bytes:
     """The source and every local header it includes, recursively (the csrc convention)."""
     seen: set[Path] = set()

@@ -145,13 +145,16 @@ def read_gguf(path: Path) -> GGUFFile:
             cursor.pos = 24
             metadata = _pairs(cursor, n_pairs, path)
             infos = []
-            for _ in range(n_tensors):
-                name = cursor.string()
-                n_dims = cursor.take("<I")
-                if n_dims > _MAX_DIMS:
-                    raise GGUFMetadataError(f"{path}: tensor {name} has {n_dims} dimensions")
-                dims = tuple(cursor.take("<Q") for _ in range(n_dims))
-                infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
+            try:
+                for _ in range(n_tensors):
+                    name = cursor.string()
+                    n_dims = cursor.take("<I")
+                    if n_dims > _MAX_DIMS:
+                        raise GGUFMetadataError(f"{path}: tensor {name} has {n_dims} dimensions")
+                    dims = tuple(cursor.take("<Q") for _ in range(n_dims))
+                    infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
+            except UnicodeDecodeError as e:
+                raise GGUFMetadataError(f"{path}: undecodable tensor name: {e}") from e
             end = cursor.pos
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -166,20 +169,22 @@ def read_gguf(path: Path) -> GGUFFile:
         seen.add(name)
         try:
             qtype = GGMLQuantizationType(kind)
-        except ValueError:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
             raise GGUFMetadataError(f"{path}: tensor {name} has unknown type {kind}") from None
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elements = math.prod(dims)
-        n_bytes = n_elements * type_size // block
+        n_bytes = math.prod(dims) * type_size // block
         at = start + offset
         if at + n_bytes > len(raw):
             raise GGUFMetadataError(f"{path}: tensor {name}'s data run past the end of the file")
         np_dims = tuple(reversed(dims))
         dtype = _PLAIN_TYPES.get(qtype.name)
-        if dtype is None:
-            view = raw[at : at + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, qtype))
-        else:
-            view = raw[at : at + n_bytes].view(dtype).reshape(np_dims)
+        try:
+            if dtype is None:  # (ValueError where a row is not whole blocks)
+                view = raw[at : at + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, qtype))
+            else:
+                view = raw[at : at + n_bytes].view(dtype).reshape(np_dims)
+        except ValueError as e:
+            raise GGUFMetadataError(f"{path}: tensor {name}'s shape {dims}: {e}") from e
         tensors.append(GGUFTensor(name, qtype, dims, n_bytes, view))
     return GGUFFile(metadata, tensors, start)
 

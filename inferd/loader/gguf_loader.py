@@ -427,7 +427,7 @@ def _load_gguf(path: Path, show_progress: bool, keep_quantized: bool = False,
                with_tokenizer: bool = True) -> LoadedModel:  # fmt: skip
     try:
         reader = read_gguf(path)
-    except (GGUFMetadataError, UnicodeDecodeError) as e:
+    except GGUFMetadataError as e:
         raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from e
     gguf_arch, arch = model_architecture(reader)
     if arch not in _ARCH_TENSORS:

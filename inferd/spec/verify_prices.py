@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from inferd.engine.model_runner import ModelRunner
-from inferd.kernels.build import cpu_flags
+from inferd.kernels.build import cpu_flags, cpu_model
 from inferd.kv.kv_cache_manager import KVCacheManager
 from inferd.loader.default_model import cache_dir
 from inferd.quantization.policy import describe as describe_quantization
@@ -50,16 +50,8 @@ def _code_digest() -> str:
 def _machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         return {"device": torch.cuda.get_device_name(device)}
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines()
-                  if line.startswith("model name")), "")  # fmt: skip
-    return {"device": "cpu", "cpu": model, "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()}
-
-
-def _cpuinfo_lines() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()
+    return {"device": "cpu", "cpu": cpu_model(), "flags": flags}
 
 
 def price_key(runner: ModelRunner, kv: KVCacheManager, k: int, leaves: int, max_batch: int,
@@ -69,8 +61,8 @@ def price_key(runner: ModelRunner, kv: KVCacheManager, k: int, leaves: int, max_
         identity = target_identity(runner.model)
     except (AttributeError, RuntimeError, TypeError):
         return None
-    settings = {k: v for k, v in os.environ.items()
-                if k.startswith("INFERD_") and not k.endswith("_DIR")}  # fmt: skip
+    settings = {name: value for name, value in os.environ.items()
+                if name.startswith("INFERD_") and not name.endswith("_DIR")}  # fmt: skip
     return {
         "format": FORMAT,
         "target": identity,
